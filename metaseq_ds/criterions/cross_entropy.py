@@ -1,0 +1,57 @@
+"""`cross_entropy`: next-token cross entropy, summed over non-pad targets, logged in base 2."""
+
+import math
+from dataclasses import dataclass
+
+import torch.nn.functional as F
+
+from metaseq_ds.criterions import BaseCriterion, register_criterion
+from metaseq_ds.dataclass import MetaseqDataclass
+from metaseq_ds.logging import metrics
+
+
+@dataclass
+class CrossEntropyCriterionConfig(MetaseqDataclass):
+    """cross_entropy has no options."""
+
+
+@register_criterion("cross_entropy", dataclass=CrossEntropyCriterionConfig)
+class CrossEntropyCriterion(BaseCriterion):
+    def forward(self, model, sample, reduce: bool = True):
+        net_output = model(**sample["net_input"])
+        # Logits in fp32: bf16/fp16 log-softmax over a 50k vocabulary loses too much precision.
+        logits = net_output[0].float()
+        token_losses = F.cross_entropy(
+            logits.view(-1, logits.size(-1)),
+            sample["target"].view(-1),
+            ignore_index=self.padding_idx,
+            reduction="none",
+        )
+        loss = token_losses.sum() if reduce else token_losses
+        sample_size = sample["ntokens"]
+        logging_output = {
+            # Summed in fp64: an fp32 sum of thousands of token losses is off by ~1e-6 relative,
+            # enough to hide whether two runs that split the batch differently agree.
+            "loss": token_losses.detach().double().sum(),
+            "ntokens": sample["ntokens"],
+            "nsentences": sample["target"].size(0),
+            "sample_size": sample_size,
+        }
+        return loss, sample_size, logging_output
+
+    @staticmethod
+    def reduce_metrics(logging_outputs) -> None:
+        loss_sum = sum(log.get("loss", 0) for log in logging_outputs)
+        ntokens = sum(log.get("ntokens", 0) for log in logging_outputs)
+        sample_size = sum(log.get("sample_size", 0) for log in logging_outputs)
+        # Divide by ln(2): metaseq reports the loss in bits, and ppl = 2 ** loss.
+        metrics.log_scalar("loss", loss_sum / sample_size / math.log(2), sample_size, round=3)
+        if sample_size != ntokens:
+            metrics.log_scalar("nll_loss", loss_sum / ntokens / math.log(2), ntokens, round=3)
+            metrics.log_derived("ppl", lambda meters: metrics.get_perplexity(meters["nll_loss"].avg))
+        else:
+            metrics.log_derived("ppl", lambda meters: metrics.get_perplexity(meters["loss"].avg))
+
+    @staticmethod
+    def logging_outputs_can_be_summed() -> bool:
+        return True

@@ -1,0 +1,27 @@
+"""Configs: `MetaseqDataclass` (base of every section and plugin config) and `MetaseqConfig`."""
+
+from metaseq_ds.dataclass.base import ChoiceEnum, MetaseqDataclass, validate_config
+from metaseq_ds.dataclass.configs import (
+    COMPONENT_SECTIONS,
+    FIXED_SECTIONS,
+    CheckpointConfig,
+    CommonConfig,
+    DatasetConfig,
+    DistributedTrainingConfig,
+    MetaseqConfig,
+    OptimizationConfig,
+)
+
+__all__ = [
+    "ChoiceEnum",
+    "CheckpointConfig",
+    "CommonConfig",
+    "COMPONENT_SECTIONS",
+    "DatasetConfig",
+    "DistributedTrainingConfig",
+    "FIXED_SECTIONS",
+    "MetaseqConfig",
+    "MetaseqDataclass",
+    "OptimizationConfig",
+    "validate_config",
+]

@@ -1,0 +1,90 @@
+"""`MetaseqDataclass`: the base of every config section, and of plugin configs.
+
+A config is a standard-library dataclass whose fields carry their help text in
+`metadata={"help": ...}`, exactly as fairseq and metaseq wrote them, so plugin configs
+keep working unmodified. Validation (types, choices, coercion of command-line strings)
+is pydantic's, applied in one place: `validate_config`.
+"""
+
+import dataclasses
+from enum import Enum
+from typing import Any, ClassVar, Dict, Mapping, Optional, Type, TypeVar
+
+import pydantic
+
+from metaseq_ds.errors import UsageError
+
+C = TypeVar("C", bound="MetaseqDataclass")
+
+
+@dataclasses.dataclass
+class MetaseqDataclass:
+    """Base config: fields with `metadata={"help": ...}` become `--flag-name` options."""
+
+    # The registry name of the component this config belongs to (set by register_*).
+    _name: ClassVar[Optional[str]] = None
+
+    @classmethod
+    def field_help(cls, name: str) -> str:
+        return cls.__dataclass_fields__[name].metadata.get("help", "")
+
+    def to_dict(self) -> Dict[str, Any]:
+        return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+class _StrEnumMeta(type(Enum)):
+    def __contains__(cls, item):  # `"adam" in MyChoices` as fairseq code does
+        return item in cls.__members__.values() or item in [m.value for m in cls]
+
+
+class StrEnum(str, Enum, metaclass=_StrEnumMeta):
+    def __str__(self) -> str:
+        return self.value
+
+    def __eq__(self, other) -> bool:
+        return self.value == (other.value if isinstance(other, Enum) else other)
+
+    def __hash__(self) -> int:
+        return hash(self.value)
+
+
+def ChoiceEnum(choices):
+    """fairseq's helper: an Enum of string choices usable as a field type."""
+    return StrEnum("Choices", {k: k for k in choices})
+
+
+_ADAPTERS: Dict[type, pydantic.TypeAdapter] = {}
+
+
+def validate_config(cls: Type[C], values: Mapping[str, Any], flag_of=lambda name: name) -> C:
+    """Build `cls` from `values` (strings from the command line are coerced).
+
+    Errors become one UsageError naming the flag (via `flag_of`) and what is allowed.
+    """
+    unknown = set(values) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise UsageError(f"{cls.__name__} has no field {sorted(unknown)[0]!r}")
+    if cls not in _ADAPTERS:
+        _ADAPTERS[cls] = pydantic.TypeAdapter(cls)
+    try:
+        return _ADAPTERS[cls].validate_python(dict(values))
+    except pydantic.ValidationError as error:
+        first = error.errors()[0]
+        name = str(first["loc"][0]) if first["loc"] else cls.__name__
+        got = first.get("input")
+        raise UsageError(f"invalid value {got!r} for {flag_of(name)}: {_reason(first)}") from None
+    except ValueError as error:  # raised by a config's __post_init__ checks
+        raise UsageError(str(error)) from None
+
+
+def _reason(error: Mapping[str, Any]) -> str:
+    msg = error["msg"]
+    return msg[0].lower() + msg[1:] if msg else error["type"]

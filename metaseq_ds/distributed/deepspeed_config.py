@@ -1,0 +1,93 @@
+"""The DeepSpeed JSON, derived from our config by one function.
+
+`--deepspeed-config` (a file or a preset name from ds_configs/) overrides only what it sets;
+its "auto" values are filled from our config. Nothing else decides the DeepSpeed config.
+"""
+
+import copy
+import importlib.resources
+import json
+import warnings
+from pathlib import Path
+from typing import Any, Dict
+
+from metaseq_ds.dataclass import MetaseqConfig
+from metaseq_ds.errors import UsageError
+
+PRESETS = ("zero1", "zero2", "zero3", "zero3_offload")
+
+
+def load_preset(name_or_path: str) -> Dict[str, Any]:
+    if name_or_path in PRESETS:
+        text = importlib.resources.files("metaseq_ds").joinpath("ds_configs", f"{name_or_path}.json").read_text()
+        return json.loads(text)
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise UsageError(f"--deepspeed-config: {name_or_path} is neither a file nor a preset ({', '.join(PRESETS)})")
+    try:
+        preset = json.loads(path.read_text())
+    except ValueError as error:
+        raise UsageError(f"--deepspeed-config: {path} is not valid JSON ({error})") from None
+    for owned in ("optimizer", "scheduler"):
+        if owned in preset:
+            raise UsageError(
+                f"--deepspeed-config: {path} sets {owned!r}; metaseq_ds builds it from "
+                f"--{'optimizer' if owned == 'optimizer' else 'lr-scheduler'}: remove that section"
+            )
+    return preset
+
+
+def resolve_zero_stage(cfg: MetaseqConfig, world_size: int) -> int:
+    stage = cfg.distributed_training.zero_stage
+    return stage if stage is not None else (3 if world_size > 1 else 0)
+
+
+def build_deepspeed_config(cfg: MetaseqConfig, world_size: int, fp16_supported: bool) -> Dict[str, Any]:
+    """The DeepSpeed config for this run: ours, then the preset's explicit values on top."""
+    common, dist_cfg = cfg.common, cfg.distributed_training
+    fp16 = common.fp16
+    bf16 = common.bf16
+    if fp16 and not fp16_supported:
+        warnings.warn("--fp16: this accelerator has no fp16 training support; using bf16 instead", stacklevel=2)
+        fp16, bf16 = False, True
+    zero: Dict[str, Any] = {"stage": resolve_zero_stage(cfg, world_size)}
+    if dist_cfg.cpu_offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    derived: Dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": cfg.dataset.batch_size,
+        "gradient_accumulation_steps": cfg.optimization.update_freq,
+        "train_batch_size": cfg.dataset.batch_size * cfg.optimization.update_freq * world_size,
+        "gradient_clipping": cfg.optimization.clip_norm,
+        "bf16": {"enabled": bf16},
+        "fp16": {"enabled": fp16, "initial_scale_power": max(0, common.fp16_init_scale.bit_length() - 1)},
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,  # we log ourselves, in metaseq's format
+        "wall_clock_breakdown": False,
+    }
+    if dist_cfg.deepspeed_config is None:
+        return derived
+    merged = _overlay(derived, load_preset(dist_cfg.deepspeed_config))
+    for key, flag in (("train_micro_batch_size_per_gpu", "--batch-size"), ("gradient_accumulation_steps", "--update-freq")):
+        if merged[key] != derived[key]:
+            raise UsageError(
+                f"--deepspeed-config: {dist_cfg.deepspeed_config} sets {key}={merged[key]}; "
+                f"set {flag} instead (or \"auto\") so the data loader agrees"
+            )
+    merged["train_batch_size"] = derived["train_batch_size"]
+    return merged
+
+
+def _overlay(derived: Dict[str, Any], preset: Dict[str, Any]) -> Dict[str, Any]:
+    """Preset values win, except "auto" ones, which keep the derived value."""
+    out = copy.deepcopy(derived)
+    for key, value in preset.items():
+        if value == "auto":
+            continue
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _overlay(out[key], value)
+        elif isinstance(value, dict):
+            out[key] = _overlay({}, value)
+        else:
+            out[key] = value
+    return out

@@ -1,0 +1,1 @@
+"""Training metrics: `metrics` (aggregation contexts and log_* functions) and its `meters`."""

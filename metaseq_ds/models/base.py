@@ -1,0 +1,128 @@
+"""Base classes of models, encoders and decoders (metaseq's `BaseModel`, `BaseDecoder`, ...).
+
+A model is built by its classmethod `build_model(cfg, task)` from its config dataclass and
+the task (which owns the dictionary). Decoders return `(output, extra)`: logits of shape
+(B, T, V) and a dict of side outputs such as `inner_states`. fairseq's
+`FairseqIncrementalDecoder` is `IncrementalDecoder` here, the same class as `BaseDecoder`;
+decoders take `incremental_state=None` in their signatures for the KV cache of generation.
+"""
+
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+NetOutput = Tuple[torch.Tensor, Optional[Dict[str, Any]]]
+
+
+def normalized_probs(logits: torch.Tensor, log_probs: bool) -> torch.Tensor:
+    """(log-)softmax over the last dim, in fp32 whatever the logits' dtype."""
+    logits = logits.float()
+    return F.log_softmax(logits, dim=-1) if log_probs else F.softmax(logits, dim=-1)
+
+
+class BaseDecoder(nn.Module):
+    """A decoder over `dictionary`: `extract_features` then `output_layer`."""
+
+    def __init__(self, dictionary):
+        super().__init__()
+        self.dictionary = dictionary
+
+    def forward(self, prev_output_tokens: torch.Tensor, **kwargs) -> NetOutput:
+        features, extra = self.extract_features(prev_output_tokens, **kwargs)
+        return self.output_layer(features), extra
+
+    def extract_features(self, prev_output_tokens: torch.Tensor, **kwargs) -> NetOutput:
+        """(B, T, C) features before the output projection, and the side outputs."""
+        raise NotImplementedError(f"{type(self).__name__} must implement extract_features")
+
+    def output_layer(self, features: torch.Tensor, **kwargs) -> torch.Tensor:
+        """Project features to the vocabulary: (B, T, C) -> (B, T, V)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement output_layer")
+
+    def get_normalized_probs(self, net_output: NetOutput, log_probs: bool, sample=None) -> torch.Tensor:
+        return normalized_probs(net_output[0], log_probs)
+
+    def max_positions(self) -> int:
+        """The longest input the decoder accepts."""
+        return int(1e6)
+
+
+IncrementalDecoder = BaseDecoder
+
+
+class BaseEncoder(nn.Module):
+    """An encoder over `dictionary` (kept so that code naming FairseqEncoder imports)."""
+
+    def __init__(self, dictionary):
+        super().__init__()
+        self.dictionary = dictionary
+
+    def forward(self, src_tokens: torch.Tensor, src_lengths: Optional[torch.Tensor] = None, **kwargs):
+        raise NotImplementedError(f"{type(self).__name__} must implement forward")
+
+    def max_positions(self) -> int:
+        return int(1e6)
+
+
+class BaseModel(nn.Module):
+    """The base of every registered model."""
+
+    @classmethod
+    def build_model(cls, cfg, task) -> "BaseModel":
+        """Build the model from its config dataclass and the task."""
+        raise NotImplementedError(f"{cls.__name__} must implement build_model")
+
+    def get_targets(self, sample: Dict[str, Any], net_output: NetOutput) -> torch.Tensor:
+        return sample["target"]
+
+    def get_normalized_probs(self, net_output: NetOutput, log_probs: bool, sample=None) -> torch.Tensor:
+        if hasattr(self, "decoder"):
+            return self.decoder.get_normalized_probs(net_output, log_probs, sample)
+        return normalized_probs(net_output[0], log_probs)
+
+    def max_positions(self) -> Optional[int]:
+        return None
+
+
+class LanguageModel(BaseModel):
+    """A decoder-only model: `forward(src_tokens)` is `decoder(src_tokens)`."""
+
+    def __init__(self, decoder: BaseDecoder):
+        super().__init__()
+        if not isinstance(decoder, BaseDecoder):
+            raise TypeError(f"{type(self).__name__} needs a BaseDecoder, got {type(decoder).__name__}")
+        self.decoder = decoder
+
+    def forward(self, src_tokens: torch.Tensor, **kwargs) -> NetOutput:
+        return self.decoder(src_tokens, **kwargs)
+
+    def extract_features(self, src_tokens: torch.Tensor, **kwargs) -> NetOutput:
+        return self.decoder.extract_features(src_tokens, **kwargs)
+
+    def output_layer(self, features: torch.Tensor, **kwargs) -> torch.Tensor:
+        return self.decoder.output_layer(features, **kwargs)
+
+    def max_positions(self) -> int:
+        return self.decoder.max_positions()
+
+    @property
+    def supported_targets(self):
+        return {"future"}
+
+
+class EncoderDecoderModel(BaseModel):
+    """An encoder and a decoder that attends to the encoder's output."""
+
+    def __init__(self, encoder: BaseEncoder, decoder: BaseDecoder):
+        super().__init__()
+        self.encoder = encoder
+        self.decoder = decoder
+
+    def forward(self, src_tokens, src_lengths, prev_output_tokens, **kwargs) -> NetOutput:
+        encoder_out = self.encoder(src_tokens, src_lengths=src_lengths, **kwargs)
+        return self.decoder(prev_output_tokens, encoder_out=encoder_out, **kwargs)
+
+    def max_positions(self):
+        return (self.encoder.max_positions(), self.decoder.max_positions())

@@ -1,0 +1,230 @@
+"""The OPT-style transformer decoder, top to bottom: attention -> layer (attention + FFN) -> decoder.
+
+Numerics follow Hugging Face `OPTForCausalLM` (the reference the parity tests compare to),
+and module names follow its checkpoints (`self_attn.{q,k,v,out}_proj`, `fc1`, `fc2`,
+`self_attn_layer_norm`, `final_layer_norm`, `embed_positions`, `project_in/out`), so the key
+map to HF is a prefix. Everything is a plain single-device module: tensor parallelism and
+activation checkpointing are applied from outside by swapping or wrapping the `nn.Linear`
+and layer submodules.
+"""
+
+import math
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from metaseq_ds.models.base import BaseDecoder
+from metaseq_ds.modules import Dropout, LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
+
+ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}  # exact gelu, as fairseq's "gelu" and HF's
+
+
+def embed_scale(cfg) -> float:
+    """Token embeddings are multiplied by sqrt(decoder_embed_dim) unless --no-scale-embedding (OPT)."""
+    return 1.0 if cfg.no_scale_embedding else math.sqrt(cfg.decoder_embed_dim)
+
+
+class SelfAttention(nn.Module):
+    """Causal multi-head self-attention with separate q/k/v projections."""
+
+    def __init__(self, embed_dim: int, num_heads: int, attention_dropout: float):
+        super().__init__()
+        if embed_dim % num_heads != 0:
+            raise ValueError(f"decoder_embed_dim {embed_dim} is not divisible by decoder_attention_heads {num_heads}")
+        self.num_heads = num_heads
+        self.attention_dropout = attention_dropout
+        self.q_proj = nn.Linear(embed_dim, embed_dim)
+        self.k_proj = nn.Linear(embed_dim, embed_dim)
+        self.v_proj = nn.Linear(embed_dim, embed_dim)
+        self.out_proj = nn.Linear(embed_dim, embed_dim)
+
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        B, T, C = x.shape
+        head_dim = C // self.num_heads
+        # The head count is read from the projections' width (-1), not num_heads: a tensor-parallel
+        # plan may swap in projections that produce only this rank's share of the heads.
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(B, T, -1, head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, -1, head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, -1, head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            dropout_p=self.attention_dropout if self.training else 0.0,
+            is_causal=attn_mask is None,
+        )
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C) heads side by side again
+        return self.out_proj(y)
+
+
+class TransformerDecoderLayer(nn.Module):
+    """Attention block then feed-forward block, each with a residual; LayerNorm before them
+    (pre-LN, most OPT sizes) or after the residual sum (post-LN, OPT-350m)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        d = cfg.decoder_embed_dim
+        self.normalize_before = cfg.decoder_normalize_before
+        self.self_attn = SelfAttention(d, cfg.decoder_attention_heads, cfg.attention_dropout)
+        self.self_attn_layer_norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, cfg.decoder_ffn_embed_dim)
+        self.fc2 = nn.Linear(cfg.decoder_ffn_embed_dim, d)
+        self.activation = ACTIVATIONS[cfg.activation_fn]
+        self.activation_dropout = Dropout(cfg.activation_dropout, module_name="activation_dropout")
+        self.final_layer_norm = nn.LayerNorm(d)
+        self.dropout = Dropout(cfg.dropout, module_name="dropout")
+
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        residual = x
+        if self.normalize_before:
+            x = self.self_attn_layer_norm(x)
+        x = residual + self.dropout(self.self_attn(x, attn_mask))
+        if not self.normalize_before:
+            x = self.self_attn_layer_norm(x)
+
+        residual = x
+        if self.normalize_before:
+            x = self.final_layer_norm(x)
+        x = self.fc2(self.activation_dropout(self.activation(self.fc1(x))))  # (B, T, ffn) inside
+        x = residual + self.dropout(x)
+        if not self.normalize_before:
+            x = self.final_layer_norm(x)
+        return x
+
+
+class TransformerDecoder(BaseDecoder):
+    """Embeddings -> `decoder_layers` layers -> final LayerNorm -> projection to the vocabulary.
+
+    `decoder_input_dim` != `decoder_embed_dim` (OPT-350m's word_embed_proj_dim) embeds tokens
+    in the smaller width and maps in and out with `project_in` / `project_out`. With
+    `share_decoder_input_output_embed` the output projection is the token embedding matrix.
+    """
+
+    def __init__(self, cfg, dictionary):
+        super().__init__(dictionary)
+        if cfg.max_target_positions is None:
+            raise ValueError("max_target_positions is unset: give --max-target-positions or --tokens-per-sample")
+        d = cfg.decoder_embed_dim
+        input_dim = cfg.decoder_input_dim if cfg.decoder_input_dim is not None else d
+        self.padding_idx = dictionary.pad()
+        self.max_target_positions = cfg.max_target_positions
+        self.embed_scale = embed_scale(cfg)
+        self.init_std = cfg.init_std
+
+        self.embed_tokens = nn.Embedding(len(dictionary), input_dim, self.padding_idx)
+        self.project_in = nn.Linear(input_dim, d, bias=False) if input_dim != d else None
+        if cfg.no_token_positional_embeddings:
+            self.embed_positions = None
+        elif cfg.decoder_learned_pos:
+            self.embed_positions = LearnedPositionalEmbedding(cfg.max_target_positions, d, self.padding_idx)
+        else:
+            self.embed_positions = SinusoidalPositionalEmbedding(cfg.max_target_positions, d, self.padding_idx)
+        self.dropout = Dropout(cfg.dropout, module_name="dropout")
+        self.layers = nn.ModuleList(TransformerDecoderLayer(cfg) for _ in range(cfg.decoder_layers))
+        # Post-LN layers already end in a LayerNorm; pre-LN ones need one after the last layer.
+        has_final_norm = cfg.decoder_normalize_before and not cfg.no_decoder_final_norm
+        self.final_layer_norm = nn.LayerNorm(d) if has_final_norm else None
+        self.project_out = nn.Linear(d, input_dim, bias=False) if input_dim != d else None
+        self.output_projection = nn.Linear(input_dim, len(dictionary), bias=False)
+        if cfg.share_decoder_input_output_embed:
+            self.output_projection.weight = self.embed_tokens.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialise every parameter as OPT did (Megatron-LM's scheme, OPT paper section 2.2).
+
+        - token embeddings, learned position embeddings and every Linear weight (q/k/v_proj,
+          fc1, project_in/out, an untied output_projection): normal(0, init_std), where
+          init_std defaults to OPT's 0.006;
+        - out_proj and fc2, which write into the residual stream: normal(0, init_std / sqrt(2L))
+          for L layers, so the residual's variance does not grow with depth;
+        - the padding rows of both embeddings: zero (metaseq's Embedding);
+        - biases zero; LayerNorm weight one, bias zero.
+        A tied output_projection is the token embedding and is not drawn twice.
+        """
+        residual_std = self.init_std / math.sqrt(2 * len(self.layers))
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                if module.weight is self.embed_tokens.weight:
+                    continue
+                std = residual_std if name.endswith(("out_proj", "fc2")) else self.init_std
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=self.init_std)
+                module.weight[module.padding_idx].zero_()
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                nn.init.zeros_(module.bias)
+
+    def forward(
+        self,
+        prev_output_tokens: torch.Tensor,
+        incremental_state: Optional[Dict[str, Any]] = None,
+        features_only: bool = False,
+        **unused,
+    ) -> Tuple[torch.Tensor, Dict[str, Any]]:
+        """(B, T) tokens -> ((B, T, V) logits, or (B, T, C) features if `features_only`; side outputs).
+
+        `unused` takes the other entries of a batch's `net_input` (such as `src_lengths`).
+        """
+        features, extra = self.extract_features(prev_output_tokens, incremental_state=incremental_state)
+        return (features if features_only else self.output_layer(features)), extra
+
+    def extract_features(
+        self, prev_output_tokens: torch.Tensor, incremental_state: Optional[Dict[str, Any]] = None, **unused
+    ) -> Tuple[torch.Tensor, Dict[str, Any]]:
+        if incremental_state is not None:
+            raise NotImplementedError("TransformerDecoder has no KV cache yet: call it without incremental_state")
+        tokens = prev_output_tokens
+        if tokens.size(1) > self.max_target_positions:
+            raise ValueError(f"{tokens.size(1)} tokens exceed max_target_positions {self.max_target_positions}")
+
+        x = self.embed_tokens(tokens) * self.embed_scale  # (B, T, input_dim)
+        if self.project_in is not None:
+            x = self.project_in(x)  # (B, T, C)
+        if self.embed_positions is not None:
+            x = x + self.embed_positions(tokens)
+        x = self.dropout(x)
+
+        attn_mask = self.attention_mask(tokens)
+        inner_states = [x]
+        for layer in self.layers:
+            x = layer(x, attn_mask)
+            inner_states.append(x)
+
+        if self.final_layer_norm is not None:
+            x = self.final_layer_norm(x)
+        if self.project_out is not None:
+            x = self.project_out(x)  # (B, T, input_dim)
+        return x, {"inner_states": inner_states}
+
+    def attention_mask(self, tokens: torch.Tensor) -> Optional[torch.Tensor]:
+        """None when the causal mask suffices, else (B, 1, T, T) with True = may attend.
+
+        The causal mask alone is exact unless a pad comes before a real token (left padding):
+        with pads only at the end of rows, as in training batches, no real token can see one.
+        Keeping those batches on SDPA's causal path also keeps them on the same kernel as
+        unpadded ones, so the loss does not depend on which batch happened to be padded.
+        NOTE: `.any()` waits for the device, as metaseq's padding check did.
+        """
+        is_pad = tokens.eq(self.padding_idx)
+        if not (is_pad[:, :-1] & ~is_pad[:, 1:]).any():
+            return None
+        T = tokens.size(1)
+        causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()  # (T, T)
+        # A pad query attends to itself: a row with nothing to attend to makes softmax NaN,
+        # and NaN in a pad position would spread (0 * NaN) into real ones.
+        itself = torch.eye(T, dtype=torch.bool, device=tokens.device)  # (T, T)
+        return causal & (~is_pad[:, None, None, :] | itself)  # (B, 1, T, T)
+
+    def output_layer(self, features: torch.Tensor, **kwargs) -> torch.Tensor:
+        return self.output_projection(features)  # (B, T, V)
+
+    def max_positions(self) -> int:
+        return self.max_target_positions

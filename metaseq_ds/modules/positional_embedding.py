@@ -1,0 +1,60 @@
+"""Position embeddings with metaseq's (and OPT's) padding convention.
+
+Positions count non-pad tokens from `padding_idx + 1`; pad tokens get `padding_idx`. With
+`padding_idx = 1` the first real token has position 2: the "offset 2" of Hugging Face OPT,
+and the same positions for left- or right-padded rows, so a left-padded prompt is embedded
+exactly like the unpadded one.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def make_positions(tokens: torch.Tensor, padding_idx: int) -> torch.Tensor:
+    """(B, T) positions: cumulative count of non-pad tokens + padding_idx; pads get padding_idx."""
+    mask = tokens.ne(padding_idx).long()
+    return torch.cumsum(mask, dim=1) * mask + padding_idx
+
+
+class LearnedPositionalEmbedding(nn.Embedding):
+    """A learned table of `max_positions + padding_idx + 1` rows (OPT: max_positions + 2)."""
+
+    def __init__(self, max_positions: int, embedding_dim: int, padding_idx: int):
+        super().__init__(max_positions + padding_idx + 1, embedding_dim, padding_idx)
+        self.max_positions = max_positions
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return super().forward(make_positions(tokens, self.padding_idx))
+
+
+class SinusoidalPositionalEmbedding(nn.Module):
+    """fairseq's fixed sinusoids (sin half, then cos half); the padding row is zero.
+
+    The table is a non-persistent buffer, so it never appears in a state dict (fairseq
+    checkpoints of such models have no position weights either).
+    """
+
+    def __init__(self, max_positions: int, embedding_dim: int, padding_idx: int):
+        super().__init__()
+        self.max_positions = max_positions
+        self.padding_idx = padding_idx
+        self.register_buffer(
+            "weights", self.table(max_positions + padding_idx + 1, embedding_dim, padding_idx), persistent=False
+        )
+
+    @staticmethod
+    def table(num_embeddings: int, embedding_dim: int, padding_idx: int) -> torch.Tensor:
+        half_dim = embedding_dim // 2
+        frequencies = torch.exp(torch.arange(half_dim, dtype=torch.float) * -(math.log(10000) / (half_dim - 1)))
+        angles = torch.arange(num_embeddings, dtype=torch.float)[:, None] * frequencies[None, :]
+        table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
+        if embedding_dim % 2 == 1:
+            table = torch.cat([table, torch.zeros(num_embeddings, 1)], dim=1)
+        table[padding_idx, :] = 0
+        return table
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(make_positions(tokens, self.padding_idx), self.weights)

@@ -1,0 +1,79 @@
+"""`adam`: Adam with decoupled weight decay (AdamW), as metaseq's MetaseqAdam.
+
+Three implementations of the same update, chosen by `--adam-impl`: DeepSpeed's FusedAdam
+(CUDA), DeepSpeed's CPUAdam (required by ZeRO CPU offload) and torch's AdamW. DeepSpeed is
+imported only when one of its kernels is chosen, since loading its ops is slow.
+"""
+
+import logging
+from dataclasses import dataclass, field
+from typing import Literal, Tuple
+
+import torch
+
+from metaseq_ds.dataclass import MetaseqDataclass
+from metaseq_ds.optim import BaseOptimizer, register_optimizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class MetaseqAdamConfig(MetaseqDataclass):
+    adam_betas: Tuple[float, float] = field(default=(0.9, 0.999), metadata={"help": "betas for Adam optimizer"})
+    adam_eps: float = field(default=1e-8, metadata={"help": "epsilon for Adam optimizer"})
+    weight_decay: float = field(default=0.0, metadata={"help": "weight decay, decoupled from the gradient (AdamW)"})
+    adam_impl: Literal["auto", "torch", "fused", "cpu_adam"] = field(
+        default="auto",
+        metadata={
+            "help": "auto: DeepSpeed FusedAdam when CUDA is available, else torch AdamW; "
+            "cpu_adam: DeepSpeed CPUAdam, needed with --cpu-offload (compiled on first use)"
+        },
+    )
+    use_old_adam: bool = field(
+        default=False, metadata={"help": "metaseq flag: use the unfused Adam; same as --adam-impl torch"}
+    )
+    fp16_adam_stats: bool = field(
+        default=False,
+        metadata={"help": "metaseq flag (fp16 Adam moments); no effect: DeepSpeed keeps optimizer state in fp32"},
+    )
+    lr: float = field(default=0.25, metadata={"help": "same as --lr"})
+
+
+@register_optimizer("adam", dataclass=MetaseqAdamConfig)
+class MetaseqAdam(BaseOptimizer):
+    """Adam with AdamW's weight decay: p -= lr * weight_decay * p, apart from the Adam step."""
+
+    def __init__(self, cfg: MetaseqAdamConfig, params):
+        super().__init__(cfg)
+        if cfg.fp16_adam_stats:
+            logger.warning("--fp16-adam-stats has no effect: DeepSpeed keeps Adam moments in fp32")
+        impl = self.implementation
+        logger.info(f"adam implementation: {impl}")
+        if impl == "fused":
+            from deepspeed.ops.adam import FusedAdam
+
+            self._optimizer = FusedAdam(params, adam_w_mode=True, **self.optimizer_config)
+        elif impl == "cpu_adam":
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            self._optimizer = DeepSpeedCPUAdam(params, adamw_mode=True, **self.optimizer_config)
+        else:
+            self._optimizer = torch.optim.AdamW(params, **self.optimizer_config)
+
+    @property
+    def implementation(self) -> str:
+        """The kernel that `--adam-impl` (and metaseq's `--use-old-adam`) resolve to here."""
+        if self.cfg.use_old_adam:
+            return "torch"
+        if self.cfg.adam_impl == "auto":
+            return "fused" if torch.cuda.is_available() else "torch"
+        return self.cfg.adam_impl
+
+    @property
+    def optimizer_config(self):
+        return {
+            "lr": self.cfg.lr,
+            "betas": tuple(self.cfg.adam_betas),
+            "eps": self.cfg.adam_eps,
+            "weight_decay": self.cfg.weight_decay,
+        }

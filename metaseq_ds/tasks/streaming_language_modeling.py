@@ -1,0 +1,163 @@
+"""metaseq's `streaming_language_modeling` task: train a decoder LM on jsonl text, tokenized on the fly.
+
+    mseq train DATA --task streaming_language_modeling --tokens-per-sample 1024 \
+        --vocab-filename gpt2-vocab.json --merges-filename gpt2-merges.txt
+
+DATA has metaseq's layout (see `metaseq_ds.data.jsonl`); without DATA the task trains on the
+demo corpus built from Python's standard library, with the byte tokenizer unless a tokenizer
+is given. Each document becomes its tokens plus the end-of-document token, documents are
+shuffled per epoch and cut into samples by `--sample-break-mode`, and the batch iterator
+splits global micro-batches across ranks so that the data order never depends on the number
+of ranks or on --update-freq (which metaseq refused with streaming data; here it just works).
+
+Left out of metaseq's config: the multi-corpus sampling flags (`multicorpus_sampling_*`,
+`data_sampling_prob`), `data_subshard_count`, and the CM3 objective; `max_source_positions` /
+`max_target_positions` belong to the model (its `max_target_positions` defaults to
+`--tokens-per-sample`).
+"""
+
+import logging
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Literal, Optional
+
+import numpy as np
+
+from metaseq_ds.data import (
+    DocumentToSequenceDataset,
+    Dictionary,
+    EpochBatchIterator,
+    JsonlSplit,
+    build_demo_corpus,
+    build_tokenizer,
+    collate_blocks,
+)
+from metaseq_ds.data.iterators import collated_batches, rank_rows
+from metaseq_ds.data.jsonl import check_data_dir
+from metaseq_ds.dataclass import MetaseqDataclass
+from metaseq_ds.errors import UsageError
+from metaseq_ds.tasks import LegacyTask, register_task
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StreamingLanguageModelingConfig(MetaseqDataclass):
+    data: Optional[str] = field(
+        default=None,
+        metadata={"help": "data directory: train/00/*.jsonl, valid/00/*.jsonl, ... (default: a demo corpus of Python's standard library)"},
+    )
+    hf_tokenizer: Optional[str] = field(
+        default=None, metadata={"help": "a Hugging Face tokenizer.json (ids 0-3 must be <s> <pad> </s> <unk>)"}
+    )
+    vocab_filename: Optional[str] = field(default=None, metadata={"help": "GPT-2 byte BPE vocab.json (with --merges-filename)"})
+    merges_filename: Optional[str] = field(default=None, metadata={"help": "GPT-2 byte BPE merges.txt (with --vocab-filename)"})
+    end_of_document_symbol: str = field(default="</s>", metadata={"help": "token appended to every document"})
+    sample_break_mode: Literal["none", "complete", "eos_pad_8", "passthrough"] = field(
+        default="none",
+        metadata={
+            "help": "none: concatenate documents and cut into blocks; complete: pack whole documents, pad; "
+            "eos_pad_8: one document per sample, padded to a multiple of 8; passthrough: one document per sample, truncated"
+        },
+    )
+    tokens_per_sample: int = field(default=1024, metadata={"help": "sequence length: tokens the model sees per sample"})
+    final_vocab_size: Optional[int] = field(
+        default=None, metadata={"help": "pad the dictionary to this size (default: to a multiple of 8)"}
+    )
+    seed: int = field(default=1, metadata={"help": "same as --seed: the data order depends on it"})
+    batch_size: int = field(default=8, metadata={"help": "same as --batch-size"})
+    batch_size_valid: Optional[int] = field(default=None, metadata={"help": "same as --batch-size-valid"})
+
+
+@register_task("streaming_language_modeling", dataclass=StreamingLanguageModelingConfig)
+class StreamingLanguageModelingTask(LegacyTask):
+    """Language modeling on a stream of jsonl documents; `args` is a StreamingLanguageModelingConfig."""
+
+    def __init__(self, args: StreamingLanguageModelingConfig):
+        super().__init__(args)
+        if args.tokens_per_sample < 1:
+            raise UsageError(f"--tokens-per-sample must be at least 1, got {args.tokens_per_sample}")
+        self.tokenizer = build_tokenizer(args.hf_tokenizer, args.vocab_filename, args.merges_filename)
+        self.eod = self.tokenizer.token_to_id(args.end_of_document_symbol)
+        if self.eod is None:
+            raise UsageError(f"--end-of-document-symbol {args.end_of_document_symbol!r} is not in the tokenizer's vocabulary")
+        self.dictionary = self._build_dictionary(args.final_vocab_size)
+        if args.data:
+            self.data_dir = check_data_dir(Path(args.data))
+        else:
+            self.data_dir = build_demo_corpus()
+            logger.info("no DATA given: training on the demo corpus at %s", self.data_dir)
+
+    def _build_dictionary(self, final_vocab_size: Optional[int]) -> Dictionary:
+        """The tokenizer's ids as a Dictionary, padded like metaseq's (50265 -> 50272 for GPT-2)."""
+        size = self.tokenizer.vocab_size
+        # A hole in a tokenizer's ids must still take its place, or every later id would shift.
+        dictionary = Dictionary(self.tokenizer.id_to_token(i) or f"<unused{i}>" for i in range(Dictionary().nspecial, size))
+        if final_vocab_size is None:
+            dictionary.pad_to_multiple_(8)
+        elif final_vocab_size < size:
+            raise UsageError(f"--final-vocab-size {final_vocab_size} is smaller than the tokenizer's vocabulary ({size})")
+        else:
+            dictionary.pad_to_multiple_(final_vocab_size)
+        return dictionary
+
+    def tokenize(self, text: str) -> np.ndarray:
+        """A document's tokens: its rstripped text, then the end-of-document token."""
+        return np.array(self.tokenizer.encode(text.rstrip()) + [self.eod], dtype=np.int64)
+
+    def load_dataset(self, split: str, epoch: int = 1, **kwargs) -> None:
+        """Index `split` ("train", "valid", "valid/<name>"); the dataset serves every epoch's shard."""
+        jsonl = JsonlSplit(self.data_dir, split)
+        jsonl.documents(epoch)  # index now, so that a bad layout fails before training starts
+        training = split == "train"
+        self.datasets[split] = DocumentToSequenceDataset(
+            jsonl.documents,
+            self.tokenize,
+            block_size=self.args.tokens_per_sample + 1,  # +1: the last input token needs a target
+            break_mode=self.args.sample_break_mode,
+            shuffle=training,
+            drop_last=training,
+        )
+
+    def get_batch_iterator(
+        self,
+        split: str,
+        batch_size: Optional[int] = None,
+        seed: Optional[int] = None,
+        num_shards: int = 1,
+        shard_id: int = 0,
+        epoch: int = 1,
+    ) -> EpochBatchIterator:
+        """This rank's micro-batches of `split` (loaded on first use), from `epoch` on.
+
+        batch_size: rows per rank (default --batch-size; --batch-size-valid for other splits);
+        seed: the data-order seed (default --seed). See `metaseq_ds.data.iterators`.
+        """
+        if split not in self.datasets:
+            self.load_dataset(split, epoch=epoch)
+        dataset = self.datasets[split]
+        training = split == "train"
+        if batch_size is None:
+            batch_size = self.args.batch_size if training else (self.args.batch_size_valid or self.args.batch_size)
+        seed = self.args.seed if seed is None else seed
+        collate = partial(
+            collate_blocks, pad=self.dictionary.pad(), tokens_per_sample=self.args.tokens_per_sample, break_mode=self.args.sample_break_mode
+        )
+
+        def batches_for_epoch(epoch: int, skip: int):
+            rows = rank_rows(dataset.samples(epoch, seed), batch_size, num_shards, shard_id, fill_last=not training)
+            return collated_batches(rows, skip, collate, what=f"split {split!r} (epoch {epoch})")
+
+        return EpochBatchIterator(batches_for_epoch, epoch=epoch)
+
+    def max_positions(self) -> int:
+        return self.args.tokens_per_sample
+
+    @property
+    def source_dictionary(self) -> Dictionary:
+        return self.dictionary
+
+    @property
+    def target_dictionary(self) -> Dictionary:
+        return self.dictionary

@@ -1,0 +1,168 @@
+"""One update of an OPT-style LM on a DeepSpeed engine, plus the state a checkpoint needs.
+
+The engine owns ZeRO partitioning, precision, gradient accumulation and clipping; the
+trainer owns what metaseq's trainer owned: loss normalisation over the global batch,
+LR schedule, seeds, metrics and the client state of checkpoints.
+
+Loss normalisation: metaseq divides the summed loss of an update by the number of target
+tokens in the whole update (all ranks, all micro-batches). DeepSpeed divides each backward
+by the accumulation steps and averages gradients over ranks, so each micro-batch's summed
+loss is scaled by steps * ranks / global_tokens: the result is exactly metaseq's gradient,
+whatever the split of the global batch.
+"""
+
+import logging
+import math
+import random
+import time
+from typing import Any, Dict, List
+
+import torch
+
+from metaseq_ds.dataclass import MetaseqConfig
+from metaseq_ds.distributed import utils as dist_utils
+from metaseq_ds.distributed.deepspeed_config import build_deepspeed_config
+from metaseq_ds.logging import metrics
+from metaseq_ds.optim import build_optimizer
+from metaseq_ds.optim.lr_scheduler import build_lr_scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class _EngineBackward:
+    """What `task.train_step` calls `optimizer.backward(loss)` on: the engine, with our scale."""
+
+    def __init__(self, engine, scale: float):
+        self.engine, self.scale = engine, scale
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss * self.scale)
+
+
+class Trainer:
+    def __init__(self, cfg: MetaseqConfig, task, model: torch.nn.Module, criterion):
+        import deepspeed
+
+        self.cfg, self.task, self.criterion = cfg, task, criterion
+        self.world_size = dist_utils.get_world_size()
+        self.rank = dist_utils.get_global_rank()
+        accelerator = deepspeed.get_accelerator()
+        self.ds_config = build_deepspeed_config(
+            cfg, self.world_size, fp16_supported=accelerator.is_fp16_supported()
+        )
+        self.optimizer = build_optimizer(cfg.optimizer, [p for p in model.parameters() if p.requires_grad])
+        self.engine, ds_optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=self.optimizer.optimizer, config=self.ds_config
+        )
+        self.model = self.engine  # criterion(model, sample) runs the engine's forward
+        self.lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self.optimizer)
+        self.num_updates = 0
+        self.lr_scheduler.step_update(0)
+        self.criterion.to(self.engine.device)
+
+    @property
+    def zero_stage(self) -> int:
+        return self.engine.zero_optimization_stage()
+
+    def get_lr(self) -> float:
+        return self.optimizer.get_lr()
+
+    def _seed_for_update(self) -> None:
+        """Seed dropout from (seed, update, rank): resumed runs draw the same masks as unbroken ones."""
+        seed = self.cfg.common.seed + self.num_updates * 1000 + self.rank
+        torch.manual_seed(seed)
+        random.seed(seed)
+
+    def train_step(self, samples: List[Dict[str, Any]]) -> Dict[str, float]:
+        """One update over `update_freq` micro-batches of this rank; returns the global stats."""
+        self._seed_for_update()
+        start = time.perf_counter()
+        local_tokens = sum(sample["ntokens"] for sample in samples)
+        local_sentences = sum(sample["nsentences"] for sample in samples)
+        global_tokens, global_sentences = dist_utils.all_reduce_sum([local_tokens, local_sentences])
+        scale = len(samples) * self.world_size / max(global_tokens, 1.0)
+        backward = _EngineBackward(self.engine, scale)
+        loss_sum = 0.0
+        gnorm = None
+        for index, sample in enumerate(samples):
+            sample = self._to_device(sample)
+            loss, _, logging_output = self.task.train_step(sample, self.model, self.criterion, backward, self.num_updates)
+            loss_sum += float(logging_output["loss"])
+            if index == len(samples) - 1 and self._plain_optimizer:
+                gnorm = self._local_grad_norm()
+            self.engine.step()
+        self.num_updates += 1
+        lr = self.lr_scheduler.step_update(self.num_updates)
+        (total_loss,) = dist_utils.all_reduce_sum([loss_sum])
+        gnorm = self._engine_grad_norm() if gnorm is None else gnorm
+        clip_norm = self.cfg.optimization.clip_norm
+        return {
+            "loss": total_loss / max(global_tokens, 1.0) / math.log(2),
+            "ntokens": global_tokens,
+            "nsentences": global_sentences,
+            "lr": lr,
+            "gnorm": gnorm,
+            "clip": float(clip_norm > 0 and gnorm > clip_norm),
+            "train_wall": time.perf_counter() - start,
+        }
+
+    @property
+    def _plain_optimizer(self) -> bool:
+        """ZeRO-0 in fp32 steps the torch optimizer directly and records no gradient norm."""
+        return self.zero_stage == 0 and not (self.engine.bfloat16_enabled() or self.engine.fp16_enabled())
+
+    def _local_grad_norm(self) -> float:
+        """Pre-clipping norm of the full gradient (ZeRO-0: every rank holds all of it, averaged)."""
+        grads = [p.grad.detach().float() for p in self.engine.module.parameters() if p.grad is not None]
+        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+
+    def _engine_grad_norm(self) -> float:
+        norm = self.engine.get_global_grad_norm()
+        if norm is None:
+            return 0.0
+        return float(norm.item() if torch.is_tensor(norm) else norm)
+
+    @torch.no_grad()
+    def valid_loss(self, iterator, max_steps=None) -> Dict[str, float]:
+        """Summed loss over a validation iterator, reduced over ranks (base 2, per token)."""
+        loss_sum = tokens = 0.0
+        for step, sample in enumerate(iterator):
+            if max_steps is not None and step >= max_steps:
+                break
+            _, _, logging_output = self.task.valid_step(self._to_device(sample), self.model, self.criterion)
+            loss_sum += float(logging_output["loss"])
+            tokens += float(logging_output["ntokens"])
+        loss_sum, tokens = dist_utils.all_reduce_sum([loss_sum, tokens])
+        loss = loss_sum / max(tokens, 1.0) / math.log(2)
+        return {"loss": loss, "ppl": 2**loss, "ntokens": tokens}
+
+    def _to_device(self, sample: Dict[str, Any]) -> Dict[str, Any]:
+        device = self.engine.device
+
+        def move(value):
+            if torch.is_tensor(value):
+                return value.to(device, non_blocking=True)
+            if isinstance(value, dict):
+                return {k: move(v) for k, v in value.items()}
+            return value
+
+        return move(sample)
+
+    # -- checkpoint client state ------------------------------------------------------------
+    def client_state(self) -> Dict[str, Any]:
+        return {
+            "num_updates": self.num_updates,
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "metrics": metrics.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        }
+
+    def load_client_state(self, state: Dict[str, Any]) -> None:
+        self.num_updates = state["num_updates"]
+        if not self.cfg.checkpoint.reset_lr_scheduler:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.lr_scheduler.step_update(self.num_updates)
+        if not self.cfg.checkpoint.reset_meters:
+            metrics.load_state_dict(state["metrics"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])

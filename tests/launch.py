@@ -1,0 +1,63 @@
+"""Run `mseq train` as real processes (alone, under deepspeed, under torchrun) and read its logs."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+TINY = [
+    "--arch", "transformer_lm_gpt2_tiny", "--tokens-per-sample", "32", "--log-format", "json",
+    "--log-interval", "1", "--lr", "0.003", "--warmup-updates", "2", "--progress-bar", "none",
+]
+
+WORDS = ("the model reads tokens and predicts the next one while the optimizer updates "
+         "weights shards ranks gradients data loss perplexity batch layer attention").split()
+
+
+def write_corpus(root: Path, shards: int = 1, docs: int = 120, seed: int = 0) -> Path:
+    """A small metaseq-layout corpus: train/00.., valid/00, one JSON document per line."""
+    rng = random.Random(seed)
+    for split, count, n_shards in (("train", docs, shards), ("valid", docs // 4, 1)):
+        for shard in range(n_shards):
+            folder = root / split / f"{shard:02d}"
+            folder.mkdir(parents=True, exist_ok=True)
+            with open(folder / "part.jsonl", "w") as out:
+                for _ in range(count // n_shards):
+                    text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 40)))
+                    out.write(json.dumps({"text": text}) + "\n")
+    return root
+
+
+def env() -> Dict[str, str]:
+    out = dict(os.environ)
+    out.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+    return out
+
+
+def run(args: List[str], launcher: Optional[str] = None, cwd: Optional[Path] = None, timeout: int = 300,
+        check: bool = True) -> subprocess.CompletedProcess:
+    if launcher == "deepspeed":
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
+               str(random.randint(20000, 40000)), "--module", "metaseq_ds.cli.train", *args]
+    elif launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(random.randint(20000, 40000)), "-m", "metaseq_ds.cli.train", *args]
+    else:
+        cmd = [sys.executable, "-m", "metaseq_ds.cli.main", "train", *args]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env(), cwd=cwd, timeout=timeout)
+    if check and "train_inner" not in result.stdout:
+        raise AssertionError(f"{cmd} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+    return result
+
+
+def log_records(stdout: str, tag: str = "train_inner") -> List[dict]:
+    """metaseq's JSON log lines with the given tag, in order (rank 0 only logs)."""
+    marker = f"| {tag} | "
+    return [json.loads(line.split(marker, 1)[1]) for line in stdout.splitlines() if marker in line]
+
+
+def losses(stdout: str) -> Dict[int, float]:
+    return {r["num_updates"]: r["loss"] for r in log_records(stdout)}

@@ -1,0 +1,143 @@
+"""Config parsing: flags from dataclasses, precedence, plugin configs, and clear errors."""
+
+import json
+from dataclasses import dataclass, field
+
+import pytest
+
+from metaseq_ds.dataclass import MetaseqDataclass
+from metaseq_ds.distributed.deepspeed_config import build_deepspeed_config
+from metaseq_ds.errors import UsageError
+from metaseq_ds.options import TrainArgumentParser, config_from_dict, parse_train_config
+
+DATA = ["/some/data"]
+
+
+def test_metaseq_flags_reach_their_sections():
+    cfg = parse_train_config(DATA + [
+        "--arch", "transformer_lm_gpt2_tiny", "--lr", "0.0005", "--max-update", "7", "--batch-size", "4",
+        "--update-freq", "2", "--tokens-per-sample", "64", "--adam-betas", "(0.9, 0.95)", "--weight-decay", "0.1",
+        "--clip-norm", "1.0", "--lr-scheduler", "polynomial_decay", "--warmup-updates", "3", "--save-dir", "x",
+        "--save-interval-updates", "5", "--validate-interval-updates", "5", "--seed", "3", "--bf16",
+        "--log-format", "json", "--log-interval", "1", "--share-decoder-input-output-embed", "--dropout", "0.2",
+    ])
+    assert cfg.task.data == "/some/data"
+    assert cfg.optimization.lr == 0.0005 and cfg.optimizer.lr == 0.0005  # shared field
+    assert cfg.optimization.max_update == 7 and cfg.lr_scheduler.total_num_update == 7  # derived
+    assert cfg.dataset.batch_size == 4 and cfg.optimization.update_freq == 2
+    assert cfg.optimizer.adam_betas == (0.9, 0.95) and cfg.optimizer.weight_decay == 0.1
+    assert cfg.lr_scheduler._name == "polynomial_decay" and cfg.lr_scheduler.warmup_updates == 3
+    assert cfg.common.bf16 and cfg.common.seed == 3 and cfg.common.log_interval == 1
+    assert cfg.model.dropout == 0.2 and cfg.model.share_decoder_input_output_embed
+    assert cfg.model.max_target_positions == 64  # derived from the task's tokens_per_sample
+    assert cfg.model.decoder_embed_dim == 64  # from the arch
+
+
+def test_precedence_command_line_over_file_over_arch(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("arch: opt_125m\noptimization:\n  lr: 0.001\n  max_update: 9\ndecoder-layers: 3\ndropout: 0.3\n")
+    cfg = parse_train_config(DATA + ["--config", str(config), "--lr", "0.002"])
+    assert cfg.arch == "opt_125m"
+    assert cfg.optimization.lr == 0.002  # command line beats file
+    assert cfg.optimization.max_update == 9  # file beats default
+    assert cfg.model.decoder_layers == 3  # file beats arch
+    assert cfg.model.decoder_embed_dim == 768  # arch beats field default
+    assert cfg.model.dropout == 0.3
+
+
+def test_json_config_and_round_trip(tmp_path):
+    config = tmp_path / "run.json"
+    config.write_text(json.dumps({"data": "/d", "batch_size": 3, "optimizer": "adam"}))
+    cfg = parse_train_config(["--config", str(config)])
+    assert cfg.task.data == "/d" and cfg.dataset.batch_size == 3
+    again = config_from_dict(json.loads(json.dumps(cfg.to_dict())))
+    assert again.to_dict() == cfg.to_dict()
+
+
+def test_plugin_config_written_the_fairseq_way_gets_flags():
+    from metaseq_ds.criterions import BaseCriterion, register_criterion
+
+    @dataclass
+    class ScaledCrossEntropyConfig(MetaseqDataclass):
+        loss_scale: float = field(default=1.0, metadata={"help": "multiply the loss by this"})
+
+    @register_criterion("test_scaled_ce", dataclass=ScaledCrossEntropyConfig)
+    class ScaledCrossEntropy(BaseCriterion):
+        def __init__(self, task, loss_scale):
+            super().__init__(task)
+            self.loss_scale = loss_scale
+
+    parser = TrainArgumentParser(DATA + ["--criterion", "test_scaled_ce", "--loss-scale", "2.5"])
+    assert "multiply the loss by this" in parser.format_help()
+    cfg = parser.config()
+    assert cfg.criterion.loss_scale == 2.5
+
+
+def test_every_builtin_field_has_help():
+    parser = TrainArgumentParser(DATA)
+    for action in parser.parser._actions:
+        if action.dest not in ("help",):
+            assert action.help and not action.help.startswith(" ["), action.dest
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lrr", "0.1"], "unknown flag --lrr; did you mean '--lr'?"),
+    (["--max-update", "ten"], "invalid value 'ten' for --max-update"),
+    (["--sample-break-mode", "paragraph"], "--sample-break-mode"),
+    (["--arch", "opt_125"], "--arch: unknown architecture 'opt_125'"),
+    (["--optimizer", "adamw"], "--optimizer: unknown optimizer 'adamw'"),
+    (["--fp16", "--bf16"], "--fp16 and --bf16"),
+    (["--model-parallel-size", "2"], "tensor parallelism is not available yet"),
+])
+def test_bad_flags_give_one_clear_line(argv, message):
+    with pytest.raises(UsageError) as error:
+        parse_train_config(DATA + argv)
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_bad_config_file_names_file_and_key(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("max_updates: 3\n")
+    with pytest.raises(UsageError, match=r"run.yaml: unknown key 'max_updates'; did you mean 'max_update'"):
+        parse_train_config(DATA + ["--config", str(config)])
+
+
+def test_metaseq_only_flags_are_accepted_with_a_warning():
+    with pytest.warns(UserWarning, match="use-sharded-state"):
+        cfg = parse_train_config(DATA + ["--use-sharded-state", "--ddp-backend", "fully_sharded", "--num-workers", "4"])
+    assert cfg.distributed_training.zero_stage == 3
+
+
+def test_demo_defaults_apply_only_without_data():
+    demo = parse_train_config([])
+    assert demo.task.data is None and demo.optimization.max_update > 0 and demo.model.decoder_embed_dim == 128
+    assert parse_train_config(["--arch", "opt_125m"]).model.decoder_embed_dim == 768
+    assert parse_train_config(DATA).optimization.max_update == 0
+
+
+def test_deepspeed_config_is_derived_and_presets_override_only_what_they_set(tmp_path):
+    cfg = parse_train_config(DATA + ["--batch-size", "4", "--update-freq", "2", "--clip-norm", "0.5", "--bf16"])
+    ds = build_deepspeed_config(cfg, world_size=2, fp16_supported=False)
+    assert ds["train_micro_batch_size_per_gpu"] == 4 and ds["gradient_accumulation_steps"] == 2
+    assert ds["train_batch_size"] == 16 and ds["gradient_clipping"] == 0.5
+    assert ds["zero_optimization"]["stage"] == 3 and ds["bf16"]["enabled"]
+    assert build_deepspeed_config(cfg, world_size=1, fp16_supported=False)["zero_optimization"]["stage"] == 0
+
+    cfg = parse_train_config(DATA + ["--batch-size", "4", "--deepspeed-config", "zero2"])
+    ds = build_deepspeed_config(cfg, world_size=1, fp16_supported=False)
+    assert ds["zero_optimization"]["stage"] == 2 and ds["zero_optimization"]["overlap_comm"] is True
+    assert ds["train_micro_batch_size_per_gpu"] == 4  # "auto" filled from our config
+
+    preset = tmp_path / "ds.json"
+    preset.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2}))
+    cfg = parse_train_config(DATA + ["--batch-size", "4", "--deepspeed-config", str(preset)])
+    with pytest.raises(UsageError, match="set --batch-size instead"):
+        build_deepspeed_config(cfg, world_size=1, fp16_supported=False)
+
+
+def test_fp16_without_support_falls_back_to_bf16():
+    cfg = parse_train_config(DATA + ["--fp16"])
+    with pytest.warns(UserWarning, match="using bf16"):
+        ds = build_deepspeed_config(cfg, world_size=1, fp16_supported=False)
+    assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
