@@ -5,8 +5,8 @@ explicitly; nothing scans a directory). User plugins call the same `register_*` 
 typically from a module passed with `--user-dir`.
 """
 
+import dataclasses
 import difflib
-from dataclasses import dataclass
 from typing import Callable, Dict, Generic, Optional, Type, TypeVar
 
 from metaseq_ds.errors import UsageError
@@ -20,7 +20,7 @@ def closest(name: str, choices) -> str:
     return f"; did you mean {match[0]!r}?" if match else ""
 
 
-@dataclass
+@dataclasses.dataclass
 class Entry(Generic[T]):
     cls: Type[T]
     dataclass: Optional[type]
@@ -41,10 +41,15 @@ class Registry(Generic[T]):
                 raise ValueError(f"cannot register duplicate {self.kind} ({name})")
             if self.base is not None and not issubclass(cls, self.base):
                 raise ValueError(f"{self.kind} ({name}: {cls.__name__}) must extend {self.base.__name__}")
-            if dataclass is not None:
-                dataclass._name = name
-            setattr(cls, "__dataclass", dataclass)  # fairseq plugins read `cls.__dataclass`
-            self.entries[name] = Entry(cls, dataclass)
+            config_cls = dataclass
+            if config_cls is not None and config_cls.__dict__.get("_name") not in (None, name):
+                # fairseq code registers one config class for several components; each needs
+                # its own `_name` (it selects the component when a config is reloaded).
+                config_cls = dataclasses.dataclass(type(config_cls.__name__, (config_cls,), {}))
+            if config_cls is not None:
+                config_cls._name = name
+            setattr(cls, "__dataclass", config_cls)  # fairseq plugins read `cls.__dataclass`
+            self.entries[name] = Entry(cls, config_cls)
             return cls
 
         return decorate

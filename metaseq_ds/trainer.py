@@ -22,6 +22,7 @@ import torch
 from metaseq_ds.dataclass import MetaseqConfig
 from metaseq_ds.distributed import utils as dist_utils
 from metaseq_ds.distributed.deepspeed_config import build_deepspeed_config
+from metaseq_ds.distributed.safe_checkpoint_loading import use_weights_only_loading
 from metaseq_ds.logging import metrics
 from metaseq_ds.optim import build_optimizer
 from metaseq_ds.optim.lr_scheduler import build_lr_scheduler
@@ -54,6 +55,7 @@ class Trainer:
         self.engine, ds_optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=self.optimizer.optimizer, config=self.ds_config
         )
+        use_weights_only_loading(self.engine)
         self.model = self.engine  # criterion(model, sample) runs the engine's forward
         self.lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self.optimizer)
         self.num_updates = 0

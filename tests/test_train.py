@@ -25,7 +25,8 @@ def corpus(tmp_path_factory):
 def trained(corpus, tmp_path_factory):
     save_dir = tmp_path_factory.mktemp("run") / "ckpt"
     result = run([str(corpus), *TINY, "--max-update", "6", "--batch-size", "4", "--save-dir", str(save_dir),
-                  "--save-interval-updates", "3", "--validate-interval-updates", "3"])
+                  "--save-interval-updates", "3", "--validate-interval-updates", "3", "--keep-last-updates", "1",
+                  "--tensorboard-logdir", str(save_dir.parent / "tb")])
     return save_dir, result
 
 
@@ -41,7 +42,8 @@ def test_single_process_run_logs_metaseq_json_and_saves(trained):
     valid = log_records(result.stdout, "valid")
     assert len(valid) >= 2 and all("valid_loss" in v for v in valid)
     assert (save_dir / "checkpoint_last").read_text().strip() == "checkpoint_1_6"
-    assert (save_dir / "checkpoint_1_3" / "metaseq_ds.json").is_file()
+    assert not (save_dir / "checkpoint_1_3").exists()  # --keep-last-updates 1
+    assert list((save_dir.parent / "tb").glob("events.out.tfevents.*"))
 
 
 def test_validate_reports_loss_per_subset(trained):
@@ -94,6 +96,18 @@ def test_sigkill_after_a_checkpoint_then_rerun_resumes_exactly(corpus, tmp_path)
     assert min(resumed) == resumed_from + 1 and max(resumed) == 30
     for step, loss in resumed.items():
         assert loss == pytest.approx(reference[step], rel=1e-6, abs=0), step
+
+
+@pytest.mark.slow
+def test_zero3_bf16_two_ranks_resume_continues_like_an_unbroken_run(corpus, tmp_path):
+    args = [str(corpus), *TINY, "--batch-size", "2", "--bf16", "--zero-stage", "3", "--save-interval-updates", "2",
+            "--disable-validation"]
+    unbroken = losses(run(args + ["--max-update", "4", "--save-dir", str(tmp_path / "a")], launcher="deepspeed").stdout)
+    run(args + ["--max-update", "2", "--save-dir", str(tmp_path / "b")], launcher="deepspeed")
+    resumed = losses(run(args + ["--max-update", "4", "--save-dir", str(tmp_path / "b")], launcher="deepspeed").stdout)
+    assert sorted(resumed) == [3, 4]
+    assert resumed == {step: unbroken[step] for step in (3, 4)}
+    assert len(list((tmp_path / "b" / "checkpoint_1_2").glob("*zero_pp_rank_1_*"))) == 2  # rank 1: params + optimizer
 
 
 def _bpe_files(folder: Path):

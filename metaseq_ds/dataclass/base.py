@@ -78,7 +78,9 @@ def validate_config(cls: Type[C], values: Mapping[str, Any], flag_of=lambda name
         return _ADAPTERS[cls].validate_python(dict(values))
     except pydantic.ValidationError as error:
         first = error.errors()[0]
-        name = str(first["loc"][0]) if first["loc"] else cls.__name__
+        if not first["loc"]:  # raised by the config's own checks: its message says it all
+            raise UsageError(str(first.get("ctx", {}).get("error", first["msg"]))) from None
+        name = str(first["loc"][0])
         got = first.get("input")
         raise UsageError(f"invalid value {got!r} for {flag_of(name)}: {_reason(first)}") from None
     except ValueError as error:  # raised by a config's __post_init__ checks
