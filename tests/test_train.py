@@ -180,3 +180,11 @@ def test_bad_input_is_one_line_exit_2_and_checkpoints_untouched(case, corpus, tr
     assert len(errors) == 1 and expected in errors[0], result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     assert _tree_digest(save_dir) == before
+
+
+@pytest.mark.slow
+def test_zero3_offload_preset_trains_with_our_optimizer(corpus):
+    result = run([str(corpus), *TINY, "--batch-size", "2", "--max-update", "2", "--no-save", "--disable-validation",
+                  "--deepspeed-config", "zero3_offload"])
+    assert sorted(losses(result.stdout)) == [1, 2]
+    assert "ZeRO stage 3" in result.stdout

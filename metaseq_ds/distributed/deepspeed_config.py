@@ -62,6 +62,9 @@ def build_deepspeed_config(cfg: MetaseqConfig, world_size: int, fp16_supported: 
         "fp16": {"enabled": fp16, "initial_scale_power": max(0, common.fp16_init_scale.bit_length() - 1)},
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
+        # The optimizer is ours (--optimizer/--adam-impl), also under offload; with offload,
+        # --adam-impl cpu_adam (DeepSpeedCPUAdam) is the fast choice.
+        "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 2**31 - 1,  # we log ourselves, in metaseq's format
         "wall_clock_breakdown": False,
     }
