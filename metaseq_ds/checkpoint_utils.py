@@ -111,5 +111,52 @@ def load_model_weights(ref: CheckpointRef) -> Dict[str, torch.Tensor]:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         return get_fp32_state_dict_from_zero_checkpoint(str(ref.save_dir), tag=ref.tag)
-    states = torch.load(ref.path / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    from metaseq_ds.distributed.safe_checkpoint_loading import safe_load
+
+    states = safe_load(ref.path / "mp_rank_00_model_states.pt", map_location="cpu")
     return {k: v.float() for k, v in states["module"].items()}
+
+
+def lazy_model_weights(ref: CheckpointRef) -> Dict[str, Any]:
+    """The weights of `load_model_weights`, each materialised only by `.contiguous()`.
+
+    Files are memory-mapped (ZeRO shards through DeepSpeed's lazy mode), so a caller that
+    converts one tensor at a time never holds two copies of the model. Tied weights are the
+    same object under both names. Values keep their saved dtype (a bf16 run's module is bf16).
+    """
+    meta = ref.meta()
+    if meta["zero_stage"] > 0:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return get_fp32_state_dict_from_zero_checkpoint(str(ref.save_dir), tag=ref.tag, lazy_mode=True)
+    from metaseq_ds.distributed.safe_checkpoint_loading import safe_load
+
+    states = safe_load(ref.path / "mp_rank_00_model_states.pt", map_location="cpu", mmap=True)
+    return dict(states["module"])
+
+
+def load_model_for_inference(path: str, data: Optional[str] = None, need_data: bool = True):
+    """(cfg, task, model in eval mode, ref) of the checkpoint at `path` (`--path` of validate and
+    generate), on the CPU with its full fp32 weights; `data` overrides the run's data directory.
+
+    With `need_data=False` (generation) the run's data directory need not exist any more.
+    """
+    from metaseq_ds import tasks
+    from metaseq_ds.options import config_from_dict
+
+    ref = find_checkpoint(path)
+    if ref is None:
+        raise UsageError(f"--path: {path} is not a checkpoint (expected a save dir with checkpoint_last, or a checkpoint_* dir)")
+    cfg = config_from_dict(ref.meta()["config"])
+    if data is not None:
+        cfg.task.data = data
+    elif not need_data:
+        # The task only checks that its data directory exists (reading starts in load_dataset);
+        # the checkpoint's own directory stands in, so that neither a moved corpus nor the
+        # demo corpus (built when no data is set) gets in the way.
+        cfg.task.data = str(ref.path)
+    task = tasks.setup_task(cfg.task)
+    model = task.build_model(cfg.model)
+    model.load_state_dict(load_model_weights(ref))
+    model.eval()
+    return cfg, task, model, ref

@@ -8,8 +8,6 @@ import logging
 import math
 from typing import Optional
 
-from metaseq_ds.errors import UsageError
-
 logger = logging.getLogger("metaseq_ds.cli.validate")
 
 
@@ -17,22 +15,12 @@ def main(path: str, valid_subset: Optional[str], data: Optional[str], batch_size
          max_valid_steps: Optional[int]) -> None:
     import torch
 
-    from metaseq_ds import checkpoint_utils, tasks
+    from metaseq_ds import checkpoint_utils
     from metaseq_ds.logging.progress_bar import setup_logging
-    from metaseq_ds.options import config_from_dict
 
     setup_logging()
-    ref = checkpoint_utils.find_checkpoint(path)
-    if ref is None:
-        raise UsageError(f"--path: {path} is not a checkpoint (expected a save dir with checkpoint_last, or a checkpoint_* dir)")
+    cfg, task, model, ref = checkpoint_utils.load_model_for_inference(path, data)
     meta = ref.meta()
-    cfg = config_from_dict(meta["config"])
-    if data is not None:
-        cfg.task.data = data
-    task = tasks.setup_task(cfg.task)
-    model = task.build_model(cfg.model)
-    model.load_state_dict(checkpoint_utils.load_model_weights(ref))
-    model.eval()
     criterion = task.build_criterion(cfg.criterion)
     for subset in (valid_subset or cfg.dataset.valid_subset).split(","):
         subset = subset.strip()

@@ -18,6 +18,12 @@ def _allowed_globals() -> list:
     return [ZeroStageEnum, fragment_address, LossScaler, DynamicLossScaler, torch.Size]
 
 
+def safe_load(path, map_location=None, mmap: bool = False):
+    """`torch.load(weights_only=True)` that also accepts DeepSpeed's own few classes."""
+    with torch.serialization.safe_globals(_allowed_globals()):
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+
+
 class WeightsOnlyCheckpointEngine:
     """Wraps an engine's checkpoint engine; only `load` changes."""
 
@@ -28,8 +34,7 @@ class WeightsOnlyCheckpointEngine:
         return getattr(self._inner, name)
 
     def load(self, path: str, map_location=None):
-        with torch.serialization.safe_globals(_allowed_globals()):
-            return torch.load(path, map_location=map_location, weights_only=True)
+        return safe_load(path, map_location=map_location)
 
 
 def use_weights_only_loading(engine) -> None:

@@ -3,8 +3,14 @@
 A model is built by its classmethod `build_model(cfg, task)` from its config dataclass and
 the task (which owns the dictionary). Decoders return `(output, extra)`: logits of shape
 (B, T, V) and a dict of side outputs such as `inner_states`. fairseq's
-`FairseqIncrementalDecoder` is `IncrementalDecoder` here, the same class as `BaseDecoder`;
-decoders take `incremental_state=None` in their signatures for the KV cache of generation.
+`FairseqIncrementalDecoder` is `IncrementalDecoder` here, the same class as `BaseDecoder`.
+
+Incremental decoding (what `SequenceGenerator` relies on): `forward(prev_output_tokens,
+incremental_state=state)` always receives every token so far, (B, S). On the first call the
+state dict is empty and the decoder runs the whole prefix (the prompt); afterwards it runs only
+the tokens its cache has not seen (normally the last one) and returns their outputs. Between
+steps the generator calls `reorder_incremental_state(state, new_order)` to pick, duplicate or
+drop batch rows of every cache (beam search, finished rows).
 """
 
 from typing import Any, Dict, Optional, Tuple
@@ -12,6 +18,8 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from metaseq_ds.incremental_decoding_utils import with_incremental_state
 
 NetOutput = Tuple[torch.Tensor, Optional[Dict[str, Any]]]
 
@@ -22,6 +30,7 @@ def normalized_probs(logits: torch.Tensor, log_probs: bool) -> torch.Tensor:
     return F.log_softmax(logits, dim=-1) if log_probs else F.softmax(logits, dim=-1)
 
 
+@with_incremental_state
 class BaseDecoder(nn.Module):
     """A decoder over `dictionary`: `extract_features` then `output_layer`."""
 
@@ -44,12 +53,27 @@ class BaseDecoder(nn.Module):
     def get_normalized_probs(self, net_output: NetOutput, log_probs: bool, sample=None) -> torch.Tensor:
         return normalized_probs(net_output[0], log_probs)
 
+    def reorder_incremental_state(self, incremental_state: Dict[str, Any], new_order: torch.Tensor) -> None:
+        """Row i of every cache becomes old row `new_order[i]`: asks each submodule that caches
+        (has its own `reorder_incremental_state`) to do so. Override for state kept elsewhere."""
+        _reorder_children(self, incremental_state, new_order)
+
     def max_positions(self) -> int:
         """The longest input the decoder accepts."""
         return int(1e6)
 
 
 IncrementalDecoder = BaseDecoder
+
+
+def _reorder_children(module: nn.Module, incremental_state: Dict[str, Any], new_order: torch.Tensor) -> None:
+    # A child that reorders its own state is not descended into: it handles its submodules,
+    # and visiting them again would reorder their caches twice.
+    for child in module.children():
+        if hasattr(child, "reorder_incremental_state"):
+            child.reorder_incremental_state(incremental_state, new_order)
+        else:
+            _reorder_children(child, incremental_state, new_order)
 
 
 class BaseEncoder(nn.Module):

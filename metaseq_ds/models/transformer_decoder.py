@@ -6,6 +6,10 @@ and module names follow its checkpoints (`self_attn.{q,k,v,out}_proj`, `fc1`, `f
 map to HF is a prefix. Everything is a plain single-device module: tensor parallelism and
 activation checkpointing are applied from outside by swapping or wrapping the `nn.Linear`
 and layer submodules.
+
+Generation: with an `incremental_state` dict each attention layer keeps its keys and values
+(the KV cache), so a step runs only the new token and costs O(length) instead of a re-run
+of the whole sequence (see `metaseq_ds.models.base` for the calling convention).
 """
 
 import math
@@ -15,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from metaseq_ds.incremental_decoding_utils import with_incremental_state
 from metaseq_ds.models.base import BaseDecoder
 from metaseq_ds.modules import Dropout, LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
 
@@ -26,8 +31,9 @@ def embed_scale(cfg) -> float:
     return 1.0 if cfg.no_scale_embedding else math.sqrt(cfg.decoder_embed_dim)
 
 
+@with_incremental_state
 class SelfAttention(nn.Module):
-    """Causal multi-head self-attention with separate q/k/v projections."""
+    """Causal multi-head self-attention with separate q/k/v projections, and a KV cache."""
 
     def __init__(self, embed_dim: int, num_heads: int, attention_dropout: float):
         super().__init__()
@@ -40,7 +46,9 @@ class SelfAttention(nn.Module):
         self.v_proj = nn.Linear(embed_dim, embed_dim)
         self.out_proj = nn.Linear(embed_dim, embed_dim)
 
-    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor], incremental_state=None) -> torch.Tensor:
+        """`attn_mask` None means plain causal attention: the decoder passes an explicit mask
+        whenever that is not what the queries need (pads; several new tokens after a cache)."""
         B, T, C = x.shape
         head_dim = C // self.num_heads
         # The head count is read from the projections' width (-1), not num_heads: a tensor-parallel
@@ -49,16 +57,29 @@ class SelfAttention(nn.Module):
         q = q.view(B, T, -1, head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, -1, head_dim).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, -1, head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        if incremental_state is not None:
+            cache = self.get_incremental_state(incremental_state, "attn_state")
+            if cache is not None:
+                k = torch.cat([cache["prev_key"], k], dim=2)  # (B, nh, S, hs), S = cached + T
+                v = torch.cat([cache["prev_value"], v], dim=2)
+            self.set_incremental_state(incremental_state, "attn_state", {"prev_key": k, "prev_value": v})
         y = F.scaled_dot_product_attention(
             q,
             k,
             v,
             attn_mask=attn_mask,
             dropout_p=self.attention_dropout if self.training else 0.0,
-            is_causal=attn_mask is None,
+            # One query after a cache sees every key: no mask at all.
+            is_causal=attn_mask is None and T > 1,
         )
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C) heads side by side again
         return self.out_proj(y)
+
+    def reorder_incremental_state(self, incremental_state, new_order: torch.Tensor) -> None:
+        cache = self.get_incremental_state(incremental_state, "attn_state")
+        if cache is not None:
+            reordered = {name: tensor.index_select(0, new_order) for name, tensor in cache.items()}
+            self.set_incremental_state(incremental_state, "attn_state", reordered)
 
 
 class TransformerDecoderLayer(nn.Module):
@@ -78,11 +99,11 @@ class TransformerDecoderLayer(nn.Module):
         self.final_layer_norm = nn.LayerNorm(d)
         self.dropout = Dropout(cfg.dropout, module_name="dropout")
 
-    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor], incremental_state=None) -> torch.Tensor:
         residual = x
         if self.normalize_before:
             x = self.self_attn_layer_norm(x)
-        x = residual + self.dropout(self.self_attn(x, attn_mask))
+        x = residual + self.dropout(self.self_attn(x, attn_mask, incremental_state))
         if not self.normalize_before:
             x = self.self_attn_layer_norm(x)
 
@@ -179,24 +200,28 @@ class TransformerDecoder(BaseDecoder):
     def extract_features(
         self, prev_output_tokens: torch.Tensor, incremental_state: Optional[Dict[str, Any]] = None, **unused
     ) -> Tuple[torch.Tensor, Dict[str, Any]]:
-        if incremental_state is not None:
-            raise NotImplementedError("TransformerDecoder has no KV cache yet: call it without incremental_state")
+        """(B, S) tokens -> (B, T, C) features of the tokens not yet cached (T = S without a cache)."""
         tokens = prev_output_tokens
         if tokens.size(1) > self.max_target_positions:
             raise ValueError(f"{tokens.size(1)} tokens exceed max_target_positions {self.max_target_positions}")
+        cached = self.cached_length(incremental_state)
+        new_tokens = tokens[:, cached:]  # (B, T)
 
-        x = self.embed_tokens(tokens) * self.embed_scale  # (B, T, input_dim)
+        x = self.embed_tokens(new_tokens) * self.embed_scale  # (B, T, input_dim)
         if self.project_in is not None:
             x = self.project_in(x)  # (B, T, C)
         if self.embed_positions is not None:
-            x = x + self.embed_positions(tokens)
+            # Positions count the real tokens of the whole row, so they need all of it.
+            x = x + self.embed_positions(tokens)[:, cached:]
         x = self.dropout(x)
 
-        attn_mask = self.attention_mask(tokens)
+        attn_mask = self.attention_mask(tokens, cached)
         inner_states = [x]
         for layer in self.layers:
-            x = layer(x, attn_mask)
+            x = layer(x, attn_mask, incremental_state)
             inner_states.append(x)
+        if incremental_state is not None:
+            self.set_incremental_state(incremental_state, "cached_length", {"length": tokens.size(1)})
 
         if self.final_layer_norm is not None:
             x = self.final_layer_norm(x)
@@ -204,8 +229,14 @@ class TransformerDecoder(BaseDecoder):
             x = self.project_out(x)  # (B, T, input_dim)
         return x, {"inner_states": inner_states}
 
-    def attention_mask(self, tokens: torch.Tensor) -> Optional[torch.Tensor]:
-        """None when the causal mask suffices, else (B, 1, T, T) with True = may attend.
+    def cached_length(self, incremental_state: Optional[Dict[str, Any]]) -> int:
+        """How many leading tokens the KV cache already holds (0 without a state, or on the first call)."""
+        saved = self.get_incremental_state(incremental_state, "cached_length")
+        return 0 if saved is None else saved["length"]
+
+    def attention_mask(self, tokens: torch.Tensor, cached: int = 0) -> Optional[torch.Tensor]:
+        """None when the causal mask suffices, else (B, 1, T, S) with True = may attend, for the
+        T = S - `cached` new queries over all S keys.
 
         The causal mask alone is exact unless a pad comes before a real token (left padding):
         with pads only at the end of rows, as in training batches, no real token can see one.
@@ -214,14 +245,17 @@ class TransformerDecoder(BaseDecoder):
         NOTE: `.any()` waits for the device, as metaseq's padding check did.
         """
         is_pad = tokens.eq(self.padding_idx)
-        if not (is_pad[:, :-1] & ~is_pad[:, 1:]).any():
+        S = tokens.size(1)
+        T = S - cached
+        several_after_cache = cached > 0 and T > 1
+        if not several_after_cache and not (is_pad[:, :-1] & ~is_pad[:, 1:]).any():
             return None
-        T = tokens.size(1)
-        causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril()  # (T, T)
+        # Query i is token cached + i: it sees keys 0 .. cached + i.
+        causal = torch.ones(T, S, dtype=torch.bool, device=tokens.device).tril(diagonal=cached)  # (T, S)
         # A pad query attends to itself: a row with nothing to attend to makes softmax NaN,
         # and NaN in a pad position would spread (0 * NaN) into real ones.
-        itself = torch.eye(T, dtype=torch.bool, device=tokens.device)  # (T, T)
-        return causal & (~is_pad[:, None, None, :] | itself)  # (B, 1, T, T)
+        itself = torch.eye(T, S, dtype=torch.bool, device=tokens.device).roll(cached, dims=1)  # (T, S)
+        return causal & (~is_pad[:, None, None, :] | itself)  # (B, 1, T, S)
 
     def output_layer(self, features: torch.Tensor, **kwargs) -> torch.Tensor:
         return self.output_projection(features)  # (B, T, V)

@@ -1,0 +1,160 @@
+"""`mseq generate --path CKPT [PROMPT ...]`: complete prompts with a trained checkpoint.
+
+Prompts come from the arguments, from `--input-file` (one prompt per line, or `.jsonl` with a
+"prompt" field per line), or, with neither, from an interactive prompt when stdin is a
+terminal (the completion is printed token by token as it is produced). Output is the text,
+or one JSON object per completion (`--output-format jsonl`: metaseq's result dict plus
+"prompt" and "finish_reason").
+
+Runs in one process on the CPU (or the current device) with the checkpoint's full weights,
+gathered from ZeRO shards if it was saved by several ranks. It refuses to run as several
+ranks under a launcher: sharded inference is not built yet.
+"""
+
+import contextlib
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+from metaseq_ds.errors import UsageError
+
+OUTPUT_FORMATS = ("text", "jsonl")
+
+
+def main(prompts: List[str], path: str, input_file: Optional[str], max_tokens: int, min_tokens: int,
+         temperature: float, top_p: float, top_k: int, n: int, best_of: Optional[int], logprobs: int,
+         echo: bool, stop: List[str], seed: Optional[int], length_penalty: float, output_format: str) -> None:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size > 1:
+        raise UsageError(
+            f"running as {world_size} ranks: generation runs in one process (a ZeRO-3 checkpoint is "
+            "gathered there); start `mseq generate` without a launcher"
+        )
+    check_options(temperature, top_p, top_k, n, best_of, max_tokens, min_tokens, output_format)
+    if prompts and input_file:
+        raise UsageError("give prompts as arguments or --input-file, not both")
+    if input_file:
+        prompts = read_prompts(Path(input_file))
+    interactive = not prompts
+    if interactive and not sys.stdin.isatty():
+        raise UsageError("no prompts: give them as arguments, with --input-file, or run on a terminal for an interactive prompt")
+
+    # stdout is the output (jsonl may be piped on): logs go to stderr, and so does whatever the
+    # libraries print while the model loads (DeepSpeed logs its accelerator to stdout).
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(levelname)s | %(name)s | %(message)s",
+                        force=True)
+    with contextlib.redirect_stdout(sys.stderr):
+        from metaseq_ds.hub_utils import GeneratorInterface
+
+        interface = GeneratorInterface(path)
+        interface.load_model()
+    options = dict(min_tokens=min_tokens, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                   top_k=top_k, n=n, best_of=best_of, logprobs=logprobs, echo=echo, stop=stop or None,
+                   seed=seed, length_penalty=length_penalty)
+    if interactive:
+        run_interactive(interface, options, output_format)
+        return
+    results = interface.generate(prompts, **options)
+    for prompt, completions in zip(prompts, results):
+        for completion in completions:
+            print_result(prompt, completion, output_format)
+
+
+def check_options(temperature, top_p, top_k, n, best_of, max_tokens, min_tokens, output_format) -> None:
+    """Bad sampling flags stop before the model is loaded, naming the flag."""
+    if temperature < 0:
+        raise UsageError(f"--temperature must be >= 0 (0 is greedy), got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise UsageError(f"--top-p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise UsageError(f"--top-k must be >= 0 (0 is off), got {top_k}")
+    if n < 1 or (best_of is not None and best_of < n):
+        raise UsageError(f"--n must be >= 1 and --best-of >= --n, got --n {n} --best-of {best_of}")
+    if max_tokens < 1 or not 0 <= min_tokens <= max_tokens:
+        raise UsageError(f"need --max-tokens >= 1 and 0 <= --min-tokens <= --max-tokens, got {max_tokens} and {min_tokens}")
+    if output_format not in OUTPUT_FORMATS:
+        raise UsageError(f"--output-format must be one of {', '.join(OUTPUT_FORMATS)}, got {output_format!r}")
+
+
+def read_prompts(path: Path) -> List[str]:
+    """One prompt per line (blank lines skipped), or jsonl objects with a "prompt" string."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as error:
+        raise UsageError(f"--input-file: cannot read {path} ({error.strerror})") from None
+    if path.suffix != ".jsonl":
+        prompts = [line for line in lines if line.strip()]
+    else:
+        prompts = []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as error:
+                raise UsageError(f"--input-file: {path}:{number} is not JSON ({error})") from None
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+                raise UsageError(f'--input-file: {path}:{number} has no "prompt" string')
+            prompts.append(record["prompt"])
+    if not prompts:
+        raise UsageError(f"--input-file: {path} holds no prompts")
+    return prompts
+
+
+def print_result(prompt: str, completion: dict, output_format: str) -> None:
+    if output_format == "jsonl":
+        print(json.dumps({"prompt": prompt, **completion}), flush=True)
+    else:
+        print(completion["text"], flush=True)
+
+
+class TokenPrinter:
+    """Prints a completion as its tokens arrive. Text that could still become a stop string is
+    held back until the next token decides, and the final text (stop string cut) ends the line."""
+
+    def __init__(self, interface, stop: List[str]):
+        self.interface = interface
+        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.tokens: List[int] = []
+        self.printed = 0
+
+    def __call__(self, prompt_index: int, token: int) -> None:
+        self.tokens.append(token)
+        text = self.interface.tokenizer.decode([t for t in self.tokens if t not in self.interface.special_ids()])
+        ready = len(text) - self.hold
+        if text.endswith("\ufffd"):  # half of a multi-byte character: wait for the rest
+            ready = min(ready, len(text) - 1)
+        if ready > self.printed:
+            sys.stdout.write(text[self.printed:ready])
+            sys.stdout.flush()
+            self.printed = ready
+
+    def finish(self, final_text: str) -> None:
+        sys.stdout.write(final_text[self.printed:] + "\n")
+        sys.stdout.flush()
+
+
+def run_interactive(interface, options: dict, output_format: str) -> None:
+    streaming = output_format == "text" and options["n"] == 1 and (options["best_of"] or 1) == 1 and not options["echo"]
+    print("Type a prompt and press Enter (Ctrl-D to quit).", file=sys.stderr)
+    while True:
+        try:
+            prompt = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return
+        if not prompt.strip():
+            continue
+        try:
+            if streaming:
+                printer = TokenPrinter(interface, options["stop"] or [])
+                [[completion]] = interface.generate([prompt], stream=printer, **options)
+                printer.finish(completion["text"])
+            else:
+                for completion in interface.generate([prompt], **options)[0]:
+                    print_result(prompt, completion, output_format)
+        except UsageError as error:  # a bad prompt should not end the session
+            print(f"error: {error}", file=sys.stderr)

@@ -1,0 +1,393 @@
+"""`SequenceGenerator`: greedy decoding, sampling (temperature, top-k, top-p) and beam search
+over any decoder that follows the incremental decoding API of `metaseq_ds.models.base`.
+
+    generator = SequenceGenerator([model], task.dictionary, max_new_tokens=32, temperature=0.7, topp=0.9, seed=1)
+    hypos = generator.generate([model], [[2, 713, 16], [2, 9]])  # prompts: token ids, any lengths
+    hypos[i][0]["tokens"], hypos[i][0]["positional_scores"], hypos[i][0]["finish_reason"]
+
+Prompts are left-padded into one batch (positions count real tokens only, so every row is
+embedded as if alone). The first call runs the prompts and fills the KV cache; each later
+step runs one token per row. Rows that finish leave the batch (`reorder_incremental_state`),
+and beam search reorders the cache to follow the surviving beams.
+
+Each hypothesis is a dict:
+- `tokens`: the new token ids (LongTensor), ending with eos or the stop tokens when those ended it;
+- `positional_scores`: the model's log-probability of each new token (log-softmax of its
+  logits, before temperature, top-k or top-p);
+- `score`: sum(positional_scores) / len ** length_penalty (beam search ranks by it);
+- `finish_reason`: "eos" (the model emitted </s>), "stop" (a stop token sequence or stop
+  string completed), "length" (max_new_tokens, or the model's max positions, was reached);
+- with `need_logprobs`: `top_logprobs` / `top_tokens`, (len, k) the k most likely tokens at each step;
+- with `echo`: `prompt_scores` (the first prompt token has none: NaN) and, with `need_logprobs`,
+  `prompt_top_logprobs` / `prompt_top_tokens`.
+
+Beam search (`beam_size` > 1, temperature 0) is Hugging Face's: 2 * beam_size candidates per
+step, finished beams scored with the length penalty over the generated length, the same
+early-stopping heuristic, so both give the same tokens. Stop strings do not steer beam
+search: `GeneratorInterface` cuts the finished beams' text at them afterwards.
+"""
+
+import math
+from typing import Callable, Dict, List, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from metaseq_ds.errors import UsageError
+
+EOS, STOP, LENGTH = "eos", "stop", "length"
+NEG_INF = float("-inf")
+NOT_A_BEAM = -1.0e9  # Hugging Face's score for beams that must not be chosen (keeps ranks identical)
+
+Hypothesis = Dict[str, object]
+StreamCallback = Callable[[int, int], None]
+
+
+def top_k_mask(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """`logits` with all but the k largest of each row set to -inf; k <= 0 keeps every token."""
+    if k <= 0 or k >= logits.size(-1):
+        return logits
+    kth_largest = torch.topk(logits, k, dim=-1).values[..., -1:]
+    return logits.masked_fill(logits < kth_largest, NEG_INF)
+
+
+def top_p_mask(logits: torch.Tensor, p: float) -> torch.Tensor:
+    """`logits` with -inf outside the nucleus: the most probable tokens whose mass first reaches p."""
+    if p >= 1.0:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # the most probable token always has 0 < p
+    remove_sorted = mass_before >= p
+    remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
+    return logits.masked_fill(remove, NEG_INF)
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad: int) -> torch.Tensor:
+    """(B, T) LongTensor, each prompt right-aligned after `pad`s."""
+    width = max(len(p) for p in prompts)
+    tokens = torch.full((len(prompts), width), pad, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        tokens[row, width - len(prompt):] = torch.as_tensor(list(prompt), dtype=torch.long)
+    return tokens
+
+
+class StopCriteria:
+    """Stop token sequences and stop strings, checked on a row's new tokens after each step.
+
+    A stop string is found in the decoded tail of the new tokens (long enough to hold the
+    longest string, since every non-special token decodes to at least one byte), so the
+    check costs the same at step 10 and at step 1000.
+    """
+
+    def __init__(self, stop: Sequence[Union[int, Sequence[int]]], stop_strings: Sequence[str],
+                 decode: Optional[Callable[[List[int]], str]]):
+        self.sequences = [[s] if isinstance(s, int) else list(s) for s in stop]
+        if any(not s for s in self.sequences):
+            raise UsageError("stop: an empty stop token sequence would stop at once")
+        if stop_strings and decode is None:
+            raise ValueError("stop strings need a decode function (token ids -> text)")
+        if any(not s for s in stop_strings):
+            raise UsageError("stop: an empty stop string would stop at once")
+        self.strings = list(stop_strings)
+        self.decode = decode
+        self.window = max((len(s.encode("utf-8")) for s in self.strings), default=0) + 1
+        self.single_tokens = sorted({s[0] for s in self.sequences if len(s) == 1})
+
+    def __bool__(self) -> bool:
+        return bool(self.sequences or self.strings)
+
+    def hit(self, new_tokens: List[int]) -> bool:
+        for sequence in self.sequences:
+            if new_tokens[-len(sequence):] == sequence:
+                return True
+        if self.strings:
+            tail = self.decode(new_tokens[-self.window:])
+            return any(s in tail for s in self.strings)
+        return False
+
+
+class SequenceGenerator(nn.Module):
+    """Generates continuations of token prompts with one model (metaseq's class name and
+    `generate(models, sample)` entry point; lengths count new tokens only).
+
+    temperature 0 decodes greedily (or by beam search when beam_size > 1); temperature > 0
+    samples from softmax(logits / temperature) restricted by `topk` (0: off) and `topp`
+    (1.0 or -1: off). `seed` makes sampling reproducible.
+    """
+
+    def __init__(
+        self,
+        models: Sequence[nn.Module],
+        tgt_dict,
+        beam_size: int = 1,
+        max_new_tokens: int = 200,
+        min_new_tokens: int = 0,
+        temperature: float = 1.0,
+        topp: float = -1.0,
+        topk: int = 0,
+        length_penalty: float = 1.0,
+        stop: Sequence[Union[int, Sequence[int]]] = (),
+        stop_strings: Sequence[str] = (),
+        decode: Optional[Callable[[List[int]], str]] = None,
+        need_logprobs: bool = False,
+        logprobs_topk: int = 1,
+        echo: bool = False,
+        seed: Optional[int] = None,
+    ):
+        super().__init__()
+        if len(models) != 1:
+            raise UsageError(f"SequenceGenerator takes one model; got {len(models)} (ensembles are not supported)")
+        if temperature < 0:
+            raise UsageError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
+        if topp != -1.0 and not 0.0 < topp <= 1.0:
+            raise UsageError(f"top_p must be in (0, 1], got {topp}")
+        if topk < 0:
+            raise UsageError(f"top_k must be >= 0 (0 is off), got {topk}")
+        if beam_size < 1:
+            raise UsageError(f"beam size must be >= 1, got {beam_size}")
+        if beam_size > 1 and temperature > 0:
+            raise UsageError("beam search is deterministic: use temperature 0 with a beam size > 1")
+        if max_new_tokens < 1 or min_new_tokens < 0 or min_new_tokens > max_new_tokens:
+            raise UsageError(f"need 0 <= min tokens <= max tokens and max tokens >= 1, got {min_new_tokens} and {max_new_tokens}")
+        self.model = models[0]
+        self.decoder = self.model.decoder if hasattr(self.model, "decoder") else self.model
+        self.pad, self.eos = tgt_dict.pad(), tgt_dict.eos()
+        self.beam_size = beam_size
+        self.max_new_tokens = max_new_tokens
+        self.min_new_tokens = min_new_tokens
+        self.temperature = temperature
+        self.topp = 1.0 if topp == -1.0 else topp
+        self.topk = topk
+        self.length_penalty = length_penalty
+        self.stop = StopCriteria(stop, stop_strings, decode)
+        self.need_logprobs = need_logprobs
+        self.logprobs_topk = max(1, logprobs_topk)
+        self.echo = echo
+        self.seed = seed
+
+    @torch.no_grad()
+    def generate(self, models, sample, stream: Optional[StreamCallback] = None) -> List[List[Hypothesis]]:
+        """Hypotheses per prompt (best first: beam_size of them, else one).
+
+        `sample`: a list of token-id prompts, or metaseq's `{"net_input": {"src_tokens": (B, T)}}`
+        (pads anywhere are dropped). `stream(prompt_index, token_id)` is called for each new
+        token as it is chosen (not with beam search, whose beams change until the end).
+        """
+        if isinstance(sample, dict):
+            src = sample["net_input"]["src_tokens"]
+            prompts = [[t for t in row.tolist() if t != self.pad] for row in src]
+        else:
+            prompts = [list(p) for p in sample]
+        if not prompts or any(not p for p in prompts):
+            raise UsageError("every prompt needs at least one token")
+        self.model.eval()
+        device = next(self.model.parameters()).device
+        tokens = left_pad(prompts, self.pad).to(device)
+        room = self.decoder.max_positions() - tokens.size(1)
+        if room < 1:
+            raise UsageError(f"a prompt of {tokens.size(1)} tokens leaves no room in the model's {self.decoder.max_positions()} positions")
+        max_new = min(self.max_new_tokens, room)
+        state: Dict = {}
+        features, extra = self.decoder.extract_features(tokens, incremental_state=state)
+        prompt_info = self._score_prompts(features, extra, tokens, prompts) if self.echo else None
+        logits = self._next_log_probs(features, extra)
+        if self.beam_size > 1:
+            hypos = self._beam_search(tokens, state, logits, max_new)
+        else:
+            hypos = self._sample(tokens, state, logits, max_new, device, stream)
+        if prompt_info is not None:
+            for row_hypos, info in zip(hypos, prompt_info):
+                for hypo in row_hypos:
+                    hypo.update(info)
+        return hypos
+
+    forward = generate
+
+    # -- one model step -----------------------------------------------------------------------
+
+    def _next_log_probs(self, features: torch.Tensor, extra) -> torch.Tensor:
+        """(A, V) fp32 log-probs of the next token of each row, from the last position's features."""
+        logits = self.decoder.output_layer(features[:, -1:])
+        return self.decoder.get_normalized_probs((logits, extra), log_probs=True)[:, -1]
+
+    def _step(self, tokens: torch.Tensor, state: Dict) -> torch.Tensor:
+        features, extra = self.decoder.extract_features(tokens, incremental_state=state)
+        return self._next_log_probs(features, extra)
+
+    def _ban(self, lprobs: torch.Tensor, step: int) -> torch.Tensor:
+        """No pad ever (it would be read as padding); no eos or stop token before min_new_tokens."""
+        banned = [self.pad]
+        if step < self.min_new_tokens:
+            banned += [self.eos, *self.stop.single_tokens]
+        return lprobs.index_fill(1, torch.tensor(banned, device=lprobs.device), NEG_INF)
+
+    def _finish_reason(self, new_tokens: List[int], step: int, max_new: int) -> Optional[str]:
+        if new_tokens[-1] == self.eos:
+            return EOS
+        if step >= self.min_new_tokens and self.stop and self.stop.hit(new_tokens):
+            return STOP
+        if step + 1 >= max_new:
+            return LENGTH
+        return None
+
+    def _top(self, lprobs: torch.Tensor):
+        return lprobs.topk(self.logprobs_topk, dim=-1)
+
+    # -- greedy and sampling ------------------------------------------------------------------
+
+    def _sample(self, tokens, state, lprobs, max_new, device, stream) -> List[List[Hypothesis]]:
+        batch = tokens.size(0)
+        rows = list(range(batch))  # the prompt index of each row still in the batch
+        new_tokens: List[List[int]] = [[] for _ in range(batch)]
+        scores: List[List[float]] = [[] for _ in range(batch)]
+        tops: List[list] = [[] for _ in range(batch)]
+        reasons: List[Optional[str]] = [None] * batch
+        rng = torch.Generator(device=device)
+        # No seed: draw one from torch's global generator, so torch.manual_seed still decides.
+        rng.manual_seed(self.seed if self.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        for step in range(max_new):
+            allowed = self._ban(lprobs, step)
+            if self.temperature == 0:
+                chosen = allowed.argmax(dim=-1)  # (A,)
+            else:
+                # log-probs differ from the logits by a constant per row: same softmax.
+                masked = top_p_mask(top_k_mask(allowed / self.temperature, self.topk), self.topp)
+                chosen = torch.multinomial(masked.softmax(dim=-1), 1, generator=rng).squeeze(1)
+            chosen_scores = lprobs.gather(1, chosen[:, None]).squeeze(1).tolist()
+            if self.need_logprobs:
+                top_values, top_ids = self._top(lprobs)
+            keep = []
+            for i, (row, token) in enumerate(zip(rows, chosen.tolist())):
+                new_tokens[row].append(token)
+                scores[row].append(chosen_scores[i])
+                if self.need_logprobs:
+                    tops[row].append((top_values[i], top_ids[i]))
+                if stream is not None:
+                    stream(row, token)
+                reasons[row] = self._finish_reason(new_tokens[row], step, max_new)
+                if reasons[row] is None:
+                    keep.append(i)
+            if not keep:
+                break
+            tokens = torch.cat([tokens, chosen[:, None]], dim=1)  # (A, S + 1)
+            if len(keep) < len(rows):
+                order = torch.tensor(keep, device=device)
+                tokens = tokens.index_select(0, order)
+                self.decoder.reorder_incremental_state(state, order)
+                rows = [rows[i] for i in keep]
+            lprobs = self._step(tokens, state)
+        return [[self._hypothesis(new_tokens[r], scores[r], tops[r], reasons[r])] for r in range(batch)]
+
+    def _hypothesis(self, new_tokens, scores, tops, reason, score=None) -> Hypothesis:
+        positional = torch.tensor(scores, dtype=torch.float)
+        if score is None:
+            score = positional.sum().item() / (len(scores) ** self.length_penalty)
+        hypo = {"tokens": torch.tensor(new_tokens, dtype=torch.long), "positional_scores": positional,
+                "score": score, "finish_reason": reason}
+        if self.need_logprobs:
+            hypo["top_logprobs"] = torch.stack([v for v, _ in tops]).cpu()
+            hypo["top_tokens"] = torch.stack([i for _, i in tops]).cpu()
+        return hypo
+
+    # -- beam search --------------------------------------------------------------------------
+
+    def _beam_search(self, tokens, state, lprobs, max_new) -> List[List[Hypothesis]]:
+        batch, n, device = tokens.size(0), self.beam_size, tokens.device
+        expand = torch.arange(batch, device=device).repeat_interleave(n)  # every prompt n times
+        tokens, lprobs = tokens.index_select(0, expand), lprobs.index_select(0, expand)
+        self.decoder.reorder_incremental_state(state, expand)
+        vocab = lprobs.size(-1)
+        # Only the first copy of each prompt may expand at step 0, or the beams would be n copies.
+        running = torch.zeros(batch, n, device=device)
+        running[:, 1:] = NOT_A_BEAM
+        active = list(range(batch))  # the prompt index of each group of n rows still searching
+        finished: List[List[Hypothesis]] = [[] for _ in range(batch)]
+        history = {"tokens": [[] for _ in range(batch * n)], "scores": [[] for _ in range(batch * n)],
+                   "tops": [[] for _ in range(batch * n)]}
+        for step in range(max_new):
+            groups = len(active)
+            allowed = self._ban(lprobs, step)
+            if self.need_logprobs:
+                top_values, top_ids = self._top(lprobs)
+            candidates = (allowed.view(groups, n, vocab) + running[:, :, None]).view(groups, n * vocab)
+            cand_scores, cand_index = candidates.topk(2 * n, dim=-1)  # (G, 2n), best first
+            cand_rows = torch.arange(groups, device=device)[:, None] * n + cand_index // vocab
+            cand_tokens = cand_index % vocab
+            last_step = step + 1 >= max_new
+            ends = cand_tokens.eq(self.eos)
+            for token in self.stop.single_tokens:
+                ends |= cand_tokens.eq(token)
+            if last_step:
+                ends[:] = True
+            cand_logprob = allowed[cand_rows, cand_tokens]
+
+            def extended(row: int, token: int, logprob: float):
+                entry = {k: list(v[row]) for k, v in history.items()}
+                entry["tokens"].append(token)
+                entry["scores"].append(logprob)
+                if self.need_logprobs:
+                    entry["tops"].append((top_values[row], top_ids[row]))
+                return entry
+
+            # Only the n best candidates may finish (the other n are there so n beams can go on).
+            gen_len = step + 1
+            for g, prompt in enumerate(active):
+                for j in range(n):
+                    if ends[g, j]:
+                        entry = extended(cand_rows[g, j].item(), cand_tokens[g, j].item(), cand_logprob[g, j].item())
+                        last_token = entry["tokens"][-1]
+                        reason = EOS if last_token == self.eos else STOP if last_token in self.stop.single_tokens else LENGTH
+                        score = cand_scores[g, j].item() / (gen_len ** self.length_penalty)
+                        finished[prompt].append(self._hypothesis(entry["tokens"], entry["scores"], entry["tops"], reason, score))
+                finished[prompt] = sorted(finished[prompt], key=lambda h: -h["score"])[:n]
+            if last_step:
+                break
+            going_on = cand_scores + ends.float() * NOT_A_BEAM
+            running, chosen = going_on.topk(n, dim=-1)  # (G, n)
+            next_rows = cand_rows.gather(1, chosen)
+            next_tokens = cand_tokens.gather(1, chosen)
+            # Hugging Face's early stop: a prompt is done once n beams have finished and the best
+            # running beam, scored at the current length, cannot beat the worst of them.
+            keep = [g for g, prompt in enumerate(active)
+                    if len(finished[prompt]) < n
+                    or running[g, 0].item() / (gen_len ** self.length_penalty) > finished[prompt][-1]["score"]]
+            if not keep:
+                break
+            order = next_rows[keep].flatten()
+            chosen_tokens = next_tokens[keep].flatten()
+            rows_cpu, tokens_cpu = order.tolist(), chosen_tokens.tolist()
+            logprobs_cpu = allowed[order, chosen_tokens].tolist()
+            history = {
+                "tokens": [history["tokens"][r] + [t] for r, t in zip(rows_cpu, tokens_cpu)],
+                "scores": [history["scores"][r] + [s] for r, s in zip(rows_cpu, logprobs_cpu)],
+                "tops": [history["tops"][r] + ([(top_values[r], top_ids[r])] if self.need_logprobs else [])
+                         for r in rows_cpu],
+            }
+            tokens = torch.cat([tokens.index_select(0, order), chosen_tokens[:, None]], dim=1)
+            self.decoder.reorder_incremental_state(state, order)
+            running = running[keep]
+            active = [active[g] for g in keep]
+            lprobs = self._step(tokens, state)
+        return finished
+
+    # -- echo -----------------------------------------------------------------------------------
+
+    def _score_prompts(self, features, extra, tokens, prompts) -> List[Dict[str, torch.Tensor]]:
+        """Log-probability of each prompt token given the ones before it (the first has none)."""
+        logits = self.decoder.output_layer(features)
+        lprobs = self.decoder.get_normalized_probs((logits, extra), log_probs=True)  # (B, T, V)
+        width = tokens.size(1)
+        infos = []
+        for row, prompt in enumerate(prompts):
+            start = width - len(prompt)
+            predicted = lprobs[row, start:width - 1]  # predictions for prompt tokens 1 .. L-1
+            targets = tokens[row, start + 1:]
+            info = {"prompt_tokens": torch.tensor(prompt, dtype=torch.long),
+                    "prompt_scores": torch.cat([torch.tensor([math.nan]),
+                                                predicted.gather(1, targets[:, None]).squeeze(1).cpu()])}
+            if self.need_logprobs:
+                values, ids = predicted.topk(self.logprobs_topk, dim=-1)
+                info["prompt_top_logprobs"], info["prompt_top_tokens"] = values.cpu(), ids.cpu()
+            infos.append(info)
+        return infos

@@ -1,0 +1,75 @@
+"""`mseq generate` on a checkpoint that `mseq train` wrote: outputs, input files, seeds, bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from launch import TINY, env, run, write_corpus
+from metaseq_ds.cli.main import app
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("generate")
+    corpus = write_corpus(root / "corpus")
+    save_dir = root / "ckpt"
+    run([str(corpus), *TINY, "--max-update", "3", "--batch-size", "4", "--save-dir", str(save_dir),
+         "--disable-validation"])
+    return save_dir
+
+
+def _generate(*args):
+    return CliRunner().invoke(app, ["generate", *args], env={"COLUMNS": "100"})
+
+
+def test_jsonl_output_has_metaseq_result_keys(checkpoint):
+    result = _generate("--path", str(checkpoint), "the model", "weights", "--max-tokens", "6", "--temperature", "0",
+                       "--logprobs", "2", "--output-format", "jsonl")
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["prompt"] for r in records] == ["the model", "weights"]
+    for record in records:
+        assert {"text", "tokens", "text_offset", "token_scores", "top_logprobs", "finish_reason"} <= set(record)
+        assert record["finish_reason"] in ("eos", "length", "stop")
+        assert "".join(record["tokens"]) == record["text"]
+        assert len(record["token_scores"]) == len(record["tokens"]) <= 6
+
+
+def test_seeded_sampling_is_reproducible_and_input_files_are_read(checkpoint, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "the data"}) + "\n" + json.dumps({"prompt": "loss"}) + "\n")
+    args = ["--path", str(checkpoint), "--input-file", str(prompts), "--max-tokens", "8", "--temperature", "1.0",
+            "--top-k", "20", "--top-p", "0.9", "--seed", "4", "--output-format", "jsonl"]
+    first, second = _generate(*args), _generate(*args)
+    assert first.exit_code == 0, first.output
+    assert first.stdout == second.stdout
+    assert [json.loads(line)["prompt"] for line in first.stdout.splitlines()] == ["the data", "loss"]
+
+
+@pytest.mark.parametrize(
+    "args, complaint",
+    [
+        (["--temperature", "-1", "x"], "--temperature must be >= 0"),
+        (["--top-p", "0", "x"], "--top-p must be in (0, 1]"),
+        (["--top-p", "1.5", "x"], "--top-p must be in (0, 1]"),
+        ([""], "prompt 1 is empty"),
+        (["word " * 40], "prompt 1 has 201 tokens; the model takes 32 positions"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(checkpoint, args, complaint):
+    result = _generate("--path", str(checkpoint), *args)
+    assert result.exit_code == 2, result.output
+    assert complaint in result.output and "Traceback" not in result.output
+
+
+def test_missing_checkpoint_and_a_launcher_are_refused_through_the_console_script(tmp_path):
+    command = [sys.executable, "-m", "metaseq_ds.cli.main", "generate", "--path", str(tmp_path / "nope"), "hi"]
+    missing = subprocess.run(command, capture_output=True, text=True, env=env())
+    assert missing.returncode == 2
+    assert missing.stderr.strip() == f"mseq generate: error: --path: {tmp_path / 'nope'} is not a checkpoint " \
+                                     "(expected a save dir with checkpoint_last, or a checkpoint_* dir)"
+    ranks = subprocess.run(command, capture_output=True, text=True, env={**env(), "WORLD_SIZE": "2"})
+    assert ranks.returncode == 2 and "running as 2 ranks" in ranks.stderr
