@@ -49,6 +49,7 @@ def main(cfg) -> None:
 
     from metaseq_ds import checkpoint_utils, tasks
     from metaseq_ds.distributed import utils as dist_utils
+    from metaseq_ds.distributed.parallelize import parallelize
     from metaseq_ds.logging.progress_bar import StatsSink, setup_logging
     from metaseq_ds.trainer import Trainer
 
@@ -64,6 +65,10 @@ def main(cfg) -> None:
     torch.manual_seed(cfg.common.seed)  # identical initial weights on every rank
     task = tasks.setup_task(cfg.task)
     model = task.build_model(cfg.model)
+    start_from = _weights_restore(restore, cfg, world_size)
+    if start_from is not None:  # weights go into the plain model, before TP/ZeRO touch it
+        start_from.load_into(model)
+    model = parallelize(model, cfg)
     criterion = task.build_criterion(cfg.criterion)
     n_params = sum(p.numel() for p in model.parameters())
     logger.info(f"model {cfg.arch}: {n_params:,} parameters; {world_size} rank(s)")
@@ -75,7 +80,9 @@ def main(cfg) -> None:
         split="train", batch_size=cfg.dataset.batch_size, seed=cfg.common.seed,
         num_shards=world_size, shard_id=rank, epoch=1,
     )
-    if restore is not None:
+    if start_from is not None:
+        start_from.after_trainer(cfg, trainer, epoch_itr, world_size)
+    elif restore is not None:
         _restore(cfg, trainer, epoch_itr, restore)
 
     sink = StatsSink(cfg.common.log_format, cfg.common.tensorboard_logdir, cfg.common.progress_bar,
@@ -227,26 +234,35 @@ def _has_checkpoint(cfg) -> bool:
 def _find_restore(cfg):
     """The checkpoint to resume from, checked against this run before any model is built."""
     from metaseq_ds import checkpoint_utils
+    from metaseq_ds.convert.restore import HF_PREFIX, hf_restore
 
+    if cfg.checkpoint.restore_file.startswith(HF_PREFIX):
+        return hf_restore(cfg)
     ref = checkpoint_utils.find_checkpoint(cfg.checkpoint.restore_file, cfg.checkpoint.save_dir)
     if ref is None:
         if cfg.checkpoint.restore_file != "checkpoint_last":
             raise UsageError(f"--restore-file: no checkpoint at {cfg.checkpoint.restore_file}")
         return None
     meta = ref.meta()
-    checkpoint_utils.check_compatible(meta, cfg.arch, cfg.to_dict()["model"], ref.save_dir)
+    # An imported checkpoint names no --arch of ours (its sizes are explicit): compare the model only.
+    arch = meta["config"].get("arch") if meta.get("weights_only") else cfg.arch
+    checkpoint_utils.check_compatible(meta, arch, cfg.to_dict()["model"], ref.save_dir)
     return ref, meta
+
+
+def _weights_restore(restore, cfg, world_size):
+    """None for an exact resume; else weights to load first (import, hf:DIR, other ranks/ZeRO stage)."""
+    if restore is None:
+        return None
+    from metaseq_ds.convert.restore import weights_restore
+
+    return weights_restore(restore, cfg, world_size)
 
 
 def _restore(cfg, trainer, epoch_itr, restore) -> None:
     from metaseq_ds.distributed import utils as dist_utils
 
-    ref, meta = restore
-    if meta["zero_stage"] > 0 and (meta["world_size"] != trainer.world_size or meta["zero_stage"] != trainer.zero_stage):
-        raise UsageError(
-            f"{ref.path} was saved by {meta['world_size']} rank(s) with ZeRO-{meta['zero_stage']}; "
-            f"resume with the same (now {trainer.world_size} rank(s), ZeRO-{trainer.zero_stage})"
-        )
+    ref, meta = restore  # same ranks and ZeRO stage (else `_weights_restore` reshards)
     load_optimizer = not cfg.checkpoint.reset_optimizer
     _, client_state = trainer.engine.load_checkpoint(
         str(ref.save_dir), tag=ref.tag, load_optimizer_states=load_optimizer, load_lr_scheduler_states=False,

@@ -1,0 +1,69 @@
+"""Tiny models and checkpoints for the conversion tests (export, import, errors)."""
+
+import json
+from pathlib import Path
+
+import torch
+
+from metaseq_ds.data import Dictionary
+from metaseq_ds.models.transformer_lm import TransformerLanguageModel
+
+VOCAB = 264  # the byte tokenizer's 260 ids, padded to a multiple of 8
+
+TINY_MODEL = ["--arch", "transformer_lm", "--decoder-embed-dim", "32", "--decoder-ffn-embed-dim", "64",
+              "--decoder-layers", "2", "--decoder-attention-heads", "4", "--decoder-learned-pos",
+              "--decoder-normalize-before", "--share-decoder-input-output-embed", "--no-scale-embedding",
+              "--tokens-per-sample", "16", "--init-std", "0.2"]
+
+VARIANTS = ["pre_ln", "post_ln_350m_like", "gelu"]
+
+
+def variant_flags(variant: str):
+    if variant == "post_ln_350m_like":  # post-LN, word_embed_proj_dim != hidden_size
+        return [f for f in TINY_MODEL if f != "--decoder-normalize-before"] + ["--decoder-input-dim", "16"]
+    if variant == "gelu":
+        return TINY_MODEL + ["--activation-fn", "gelu"]
+    return list(TINY_MODEL)
+
+
+class _Task:
+    def __init__(self, vocab: int = VOCAB):
+        self.dictionary = Dictionary()
+        self.dictionary.pad_to_multiple_(vocab)
+
+
+def build_model(model_cfg, seed: int = 0, vocab: int = VOCAB):
+    torch.manual_seed(seed)
+    return TransformerLanguageModel.build_model(model_cfg, _Task(vocab)).eval()
+
+
+def write_zero0_checkpoint(save_dir: Path, flags, seed: int = 0):
+    """A checkpoint as `mseq train` saves it with ZeRO-0 on one rank (weights only matter here)."""
+    from metaseq_ds.options import parse_train_config
+
+    cfg = parse_train_config(flags)
+    model = build_model(cfg.model, seed)
+    tag = save_dir / "checkpoint_1_0"
+    tag.mkdir(parents=True)
+    torch.save({"module": model.state_dict()}, tag / "mp_rank_00_model_states.pt")
+    meta = {"config": cfg.to_dict(), "num_updates": 0, "epoch": 1, "world_size": 1, "zero_stage": 0}
+    (tag / "metaseq_ds.json").write_text(json.dumps(meta))
+    (save_dir / "checkpoint_last").write_text("checkpoint_1_0\n")
+    return model, cfg
+
+
+def model_of_checkpoint(path):
+    """Our model with a checkpoint's weights, built from its meta config (no data needed)."""
+    from metaseq_ds import checkpoint_utils
+    from metaseq_ds.options import config_from_dict
+
+    ref = checkpoint_utils.find_checkpoint(str(path))
+    cfg = config_from_dict(ref.meta()["config"])
+    weights = checkpoint_utils.load_model_weights(ref)
+    model = build_model(cfg.model, seed=99, vocab=weights["decoder.embed_tokens.weight"].shape[0])
+    model.load_state_dict(weights)
+    return model, cfg
+
+
+def tokens(batch: int = 3, length: int = 12, seed: int = 1):
+    return torch.randint(4, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
