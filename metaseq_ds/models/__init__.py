@@ -22,6 +22,7 @@ from metaseq_ds.models.base import (
     IncrementalDecoder,
     LanguageModel,
 )
+from metaseq_ds.models.distributed_model import DistributedModel
 from metaseq_ds.registry import Registry, closest
 
 MODEL_REGISTRY = Registry("model", "--arch", base=BaseModel)
@@ -101,6 +102,7 @@ __all__ = [
     "BaseDecoder",
     "BaseEncoder",
     "BaseModel",
+    "DistributedModel",
     "EncoderDecoderModel",
     "IncrementalDecoder",
     "LanguageModel",

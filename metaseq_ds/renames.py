@@ -1,0 +1,133 @@
+"""The rename table: fairseq's and metaseq's names -> metaseq_ds's, as data.
+
+Two users read it and nothing else: `compat` (aliases and the `import fairseq` hook) and
+`migrate` (the codemod behind `mseq migrate`); `docs/migration.md` is generated from it
+(`python -m migrate.docs --write`). `tests/test_renames.py` checks that every target
+resolves in the installed `metaseq_ds`. This module imports nothing heavy: `mseq migrate`
+and `compat.install()` read it without torch.
+
+Three parts:
+- `CLASS_RENAMES`: the class renames of metaseq's docs/history.md, old qualified name (where
+  fairseq defined it) -> new qualified name. An old class name is renamed wherever it is
+  imported from (fairseq re-exported these from several modules).
+- `PACKAGE_RENAMES`: top-level packages; a module not listed in `MODULE_MOVES` keeps its path
+  under the new package (`fairseq.models.transformer_lm` -> `metaseq_ds.models.transformer_lm`).
+- `MODULE_MOVES`: modules whose path changed between fairseq's, metaseq's and our layouts.
+"""
+
+from dataclasses import dataclass
+from typing import Dict, Optional, Tuple
+
+
+@dataclass(frozen=True)
+class ClassRename:
+    old: str  # qualified name where fairseq (or metaseq) defined it
+    new: str  # qualified name in metaseq_ds
+
+    @property
+    def old_name(self) -> str:
+        return self.old.rsplit(".", 1)[1]
+
+    @property
+    def new_name(self) -> str:
+        return self.new.rsplit(".", 1)[1]
+
+    @property
+    def new_module(self) -> str:
+        return self.new.rsplit(".", 1)[0]
+
+
+CLASS_RENAMES: Tuple[ClassRename, ...] = (
+    ClassRename("fairseq.optim.fairseq_optimizer.FairseqOptimizer", "metaseq_ds.optim.BaseOptimizer"),
+    ClassRename("fairseq.optim.fairseq_optimizer.LegacyFairseqOptimizer", "metaseq_ds.optim.LegacyOptimizer"),
+    ClassRename("fairseq.optim.lr_scheduler.fairseq_lr_scheduler.FairseqLRScheduler", "metaseq_ds.optim.lr_scheduler.BaseLRScheduler"),
+    ClassRename("fairseq.criterions.fairseq_criterion.FairseqCriterion", "metaseq_ds.criterions.BaseCriterion"),
+    ClassRename("fairseq.incremental_decoding_utils.FairseqIncrementalState", "metaseq_ds.incremental_decoding_utils.IncrementalState"),
+    ClassRename("fairseq.optim.adam.FairseqAdam", "metaseq_ds.optim.adam.MetaseqAdam"),
+    ClassRename("fairseq.optim.adam.FairseqAdamConfig", "metaseq_ds.optim.adam.MetaseqAdamConfig"),
+    ClassRename("metaseq.optim.sgd.FairseqSGDW", "metaseq_ds.optim.sgd.MetaseqSGDW"),
+    ClassRename("fairseq.modules.fairseq_dropout.FairseqDropout", "metaseq_ds.modules.Dropout"),
+    ClassRename("fairseq.models.fairseq_decoder.FairseqDecoder", "metaseq_ds.models.BaseDecoder"),
+    ClassRename("fairseq.models.fairseq_incremental_decoder.FairseqIncrementalDecoder", "metaseq_ds.models.BaseDecoder"),
+    ClassRename("fairseq.models.fairseq_encoder.FairseqEncoder", "metaseq_ds.models.BaseEncoder"),
+    ClassRename("fairseq.models.distributed_fairseq_model.DistributedFairseqModel", "metaseq_ds.models.DistributedModel"),
+    ClassRename("fairseq.models.fairseq_model.BaseFairseqModel", "metaseq_ds.models.BaseModel"),
+    ClassRename("fairseq.models.fairseq_model.FairseqEncoderDecoderModel", "metaseq_ds.models.EncoderDecoderModel"),
+    ClassRename("fairseq.models.fairseq_model.FairseqLanguageModel", "metaseq_ds.models.LanguageModel"),
+    ClassRename("fairseq.tasks.fairseq_task.FairseqTask", "metaseq_ds.tasks.BaseTask"),
+    ClassRename("fairseq.tasks.fairseq_task.LegacyFairseqTask", "metaseq_ds.tasks.LegacyTask"),
+    ClassRename("fairseq.dataclass.configs.FairseqDataclass", "metaseq_ds.dataclass.MetaseqDataclass"),
+    ClassRename("fairseq.dataclass.configs.FairseqConfig", "metaseq_ds.dataclass.MetaseqConfig"),
+    ClassRename("fairseq.data.fairseq_dataset.FairseqDataset", "metaseq_ds.data.BaseDataset"),
+)
+
+PACKAGE_RENAMES: Dict[str, str] = {
+    "fairseq": "metaseq_ds",
+    "metaseq": "metaseq_ds",
+    "fairseq_cli": "metaseq_ds.cli",
+    "metaseq_cli": "metaseq_ds.cli",  # metaseq's first releases kept fairseq's layout
+}
+
+MODULE_MOVES: Dict[str, str] = {
+    # fairseq defined each base class in a module of its own; metaseq_ds exports them from the package
+    "fairseq.models.fairseq_decoder": "metaseq_ds.models",
+    "fairseq.models.fairseq_incremental_decoder": "metaseq_ds.models",
+    "fairseq.models.fairseq_encoder": "metaseq_ds.models",
+    "fairseq.models.fairseq_model": "metaseq_ds.models",
+    "fairseq.models.distributed_fairseq_model": "metaseq_ds.models",
+    "fairseq.tasks.fairseq_task": "metaseq_ds.tasks.base_task",
+    "fairseq.criterions.fairseq_criterion": "metaseq_ds.criterions.base_criterion",
+    "fairseq.optim.fairseq_optimizer": "metaseq_ds.optim.base_optimizer",
+    "fairseq.optim.lr_scheduler.fairseq_lr_scheduler": "metaseq_ds.optim.lr_scheduler.base_lr_scheduler",
+    "fairseq.modules.fairseq_dropout": "metaseq_ds.modules.dropout",
+    "fairseq.data.fairseq_dataset": "metaseq_ds.data.base_dataset",
+    # metaseq's names for the same modules
+    "metaseq.models.base_decoder": "metaseq_ds.models",
+    "metaseq.models.base_encoder": "metaseq_ds.models",
+    "metaseq.models.base_model": "metaseq_ds.models",
+    "metaseq.models.incremental_decoder": "metaseq_ds.models",
+    "metaseq.models.distributed_model": "metaseq_ds.models",
+    # fairseq's flat top-level modules that later moved into packages
+    "fairseq.distributed_utils": "metaseq_ds.distributed.utils",
+    "fairseq.meters": "metaseq_ds.logging.meters",
+    "fairseq.metrics": "metaseq_ds.logging.metrics",
+    "fairseq.progress_bar": "metaseq_ds.logging.progress_bar",
+}
+
+# Command lines of fairseq's and metaseq's console scripts that `mseq` replaces.
+COMMAND_RENAMES: Dict[str, str] = {
+    "fairseq-train": "mseq train",
+    "metaseq-train": "mseq train",
+    "fairseq_cli.train": "mseq train",
+    "metaseq_cli.train": "mseq train",
+    "metaseq.cli.train": "mseq train",
+    "fairseq-validate": "mseq validate",
+    "metaseq-validate": "mseq validate",
+    "fairseq_cli.validate": "mseq validate",
+    "metaseq_cli.validate": "mseq validate",
+    "metaseq.cli.validate": "mseq validate",
+}
+
+OLD_PACKAGES = tuple(PACKAGE_RENAMES)
+CLASS_RENAME_BY_OLD_NAME: Dict[str, ClassRename] = {r.old_name: r for r in CLASS_RENAMES}
+
+
+def is_old_module(dotted: str) -> bool:
+    """Whether `dotted` lies in one of the packages that metaseq_ds replaces."""
+    return dotted.split(".", 1)[0] in PACKAGE_RENAMES
+
+
+def new_module_path(old_module: str) -> Tuple[str, int]:
+    """The metaseq_ds path of an old module (by the longest listed prefix) and how many of
+    its dotted parts that prefix consumed; the remaining parts keep their names."""
+    parts = old_module.split(".")
+    for end in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:end])
+        target = MODULE_MOVES.get(prefix) or PACKAGE_RENAMES.get(prefix)
+        if target is not None:
+            return ".".join([target, *parts[end:]]), end
+    raise ValueError(f"{old_module} is not in a package that metaseq_ds replaces")
+
+
+def class_rename(name: str) -> Optional[ClassRename]:
+    return CLASS_RENAME_BY_OLD_NAME.get(name)
