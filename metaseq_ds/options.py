@@ -13,6 +13,7 @@ import ast
 import dataclasses
 import importlib.util
 import json
+import os
 import sys
 import typing
 import warnings
@@ -33,9 +34,9 @@ DEFAULT_COMPONENTS = {
 
 # `mseq train` with no data trains this on the embedded demo corpus; explicit values still win.
 DEMO_DEFAULTS = {
-    "max_update": 300,
-    "lr": 2e-3,
-    "warmup_updates": 30,
+    "max_update": 200,
+    "lr": 3e-3,
+    "warmup_updates": 20,
     "batch_size": 16,
     "tokens_per_sample": 128,
     "log_interval": 25,
@@ -100,6 +101,10 @@ class TrainArgumentParser:
         self.file_values = load_config_file(Path(known.config)) if known.config else {}
         user_dir = known.user_dir or self.file_values.get("user_dir")
         if user_dir:
+            if os.environ.get("METASEQ_DS_COMPAT"):  # plugins that `import fairseq`, under any launcher
+                import compat
+
+                compat.install_from_env()
             import_user_module(user_dir)
         self.registries = component_registries()
         from metaseq_ds import models

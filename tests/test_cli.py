@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from metaseq_ds.cli.main import app
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"
-COMMANDS = ["train", "validate"]
+COMMANDS = ["train", "validate", "generate", "export", "import", "migrate"]
 
 
 def _invoke(args):
@@ -33,7 +33,10 @@ def test_command_set_is_frozen():
     assert sorted(group.commands) == sorted(COMMANDS)
 
 
-@pytest.mark.parametrize("args", [[], ["validate"]], ids=["mseq", "validate"])
+@pytest.mark.parametrize(
+    "args", [[], ["validate"], ["generate"], ["export", "hf"], ["import", "hf"], ["import", "metaseq"], ["migrate"]],
+    ids=["mseq", "validate", "generate", "export_hf", "import_hf", "import_metaseq", "migrate"],
+)
 def test_help_snapshots(args):
     result = _invoke(args + ["--help"])
     assert result.exit_code == 0, result.output

@@ -5,6 +5,7 @@ so `mseq --help` never imports torch or deepspeed.
 `metaseq_ds.options` from the config dataclasses; typer only routes to it.
 """
 
+import os
 import sys
 from typing import List, Optional
 
@@ -55,6 +56,95 @@ def validate(
     run_guarded("validate", validate_module.main, path, valid_subset, data, batch_size, max_valid_steps)
 
 
+@app.command()
+def generate(
+    prompts: Optional[List[str]] = typer.Argument(None, help="prompts (none: --input-file, or an interactive prompt on a terminal)"),
+    path: str = typer.Option(..., "--path", help="checkpoint: a save dir (its last checkpoint) or a checkpoint_* dir"),
+    input_file: Optional[str] = typer.Option(None, "--input-file", help="prompts, one per line, or .jsonl with a \"prompt\" field"),
+    max_tokens: int = typer.Option(32, "--max-tokens", help="at most N new tokens per completion"),
+    min_tokens: int = typer.Option(0, "--min-tokens", help="at least N new tokens before </s> or a stop may end it"),
+    temperature: float = typer.Option(1.0, "--temperature", help="sampling temperature; 0 is greedy (beam search with --best-of > 1)"),
+    top_p: float = typer.Option(1.0, "--top-p", help="nucleus sampling: the most probable tokens up to this mass, in (0, 1]"),
+    top_k: int = typer.Option(0, "--top-k", help="sample among the K most probable tokens (0: all)"),
+    n: int = typer.Option(1, "--n", help="completions per prompt"),
+    best_of: Optional[int] = typer.Option(None, "--best-of", help="generate this many (samples, or beams at temperature 0), return the best --n"),
+    logprobs: int = typer.Option(0, "--logprobs", help="report the K most likely tokens at each position (jsonl)"),
+    echo: bool = typer.Option(False, "--echo", help="include (and score) the prompt in the output"),
+    stop: Optional[List[str]] = typer.Option(None, "--stop", help="stop at this string (repeatable; may span tokens; not in the output)"),
+    seed: Optional[int] = typer.Option(None, "--seed", help="seed for reproducible sampling"),
+    length_penalty: float = typer.Option(1.0, "--length-penalty", help="beam scores are divided by length ** this"),
+    output_format: str = typer.Option("text", "--output-format", help="text, or jsonl (metaseq's result dicts)"),
+) -> None:
+    """Complete prompts with a checkpoint: greedy, sampling (top-k/top-p) or beam search."""
+    from metaseq_ds.cli import generate as generate_module
+
+    run_guarded("generate", generate_module.main, prompts or [], path, input_file, max_tokens, min_tokens, temperature,
+                top_p, top_k, n, best_of, logprobs, echo, stop or [], seed, length_penalty, output_format)
+
+
+@app.command()
+def migrate(
+    paths: List[str] = typer.Argument(..., help="files or directories to migrate (in place)"),
+    diff: bool = typer.Option(False, "--diff", help="print a unified diff and write nothing"),
+    check: bool = typer.Option(False, "--check", help="write nothing; exit 1 if anything would change (for CI)"),
+    report: Optional[str] = typer.Option(None, "--report", metavar="FILE", help="write every item as JSON: file, line, col, kind, old, new, reason"),
+    jobs: int = typer.Option(1, "-j", "--jobs", help="worker processes"),
+    exclude: List[str] = typer.Option([], "--exclude", metavar="GLOB", help="skip matching paths (repeatable); .git, .venv, build, dist, site-packages and @generated files are always skipped"),
+    shell: bool = typer.Option(False, "--shell", help="also rewrite fairseq-train / metaseq-train / python -m metaseq.cli.train in shell scripts"),
+) -> None:
+    """Rewrite fairseq/metaseq imports and renamed names to metaseq_ds; report what needs a person.
+
+    Exit codes: 0 done, 1 --check found work, 2 usage error, 3 some file failed (the others are migrated).
+    """
+    from migrate import runner
+
+    run_guarded("migrate", runner.main, runner.Options(paths, diff, check, report, jobs, exclude, shell))
+
+
+export_app = typer.Typer(help="Convert our checkpoints to other formats.", no_args_is_help=True)
+import_app = typer.Typer(help="Convert other formats to our checkpoints (weights only, update 0).", no_args_is_help=True)
+app.add_typer(export_app, name="export")
+app.add_typer(import_app, name="import")
+
+
+@export_app.command("hf")
+def export_hf(
+    checkpoint: str = typer.Argument(..., metavar="CKPT", help="a save dir (its last checkpoint) or a checkpoint_* dir, any ZeRO stage and rank count"),
+    out: str = typer.Argument(..., metavar="OUT", help="new folder for the Hugging Face model (must not exist, or be empty)"),
+    dtype: str = typer.Option("fp32", "--dtype", help="weights dtype: fp32, fp16 or bf16"),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="split model.safetensors into shards of at most this size"),
+) -> None:
+    """Write a Hugging Face OPTForCausalLM folder: config, generation config, safetensors, tokenizer."""
+    from metaseq_ds.cli import export
+
+    run_guarded("export hf", export.hf, checkpoint, out, dtype, max_shard_size)
+
+
+@import_app.command("hf")
+def import_hf(
+    hf_dir: str = typer.Argument(..., metavar="HF_DIR", help="a Hugging Face OPT folder (config.json, safetensors or pytorch_model.bin)"),
+    out: str = typer.Argument(..., metavar="OUT", help="new checkpoint dir (must not exist, or be empty)"),
+) -> None:
+    """Hugging Face OPT -> our checkpoint (for train --restore-file, validate/generate --path)."""
+    from metaseq_ds.cli import import_
+
+    run_guarded("import hf", import_.hf, hf_dir, out)
+
+
+@import_app.command("metaseq")
+def import_metaseq(
+    checkpoint: str = typer.Argument(..., metavar="CKPT", help="a metaseq/fairseq .pt: singleton, or one PREFIX-model_part-R.pt of the parts"),
+    out: str = typer.Argument(..., metavar="OUT", help="new checkpoint dir (must not exist, or be empty)"),
+    hf_tokenizer: Optional[str] = typer.Option(None, "--hf-tokenizer", help="tokenizer.json of the model (default: the checkpoint's, if found)"),
+    vocab_filename: Optional[str] = typer.Option(None, "--vocab-filename", help="GPT-2 BPE vocab.json (with --merges-filename)"),
+    merges_filename: Optional[str] = typer.Option(None, "--merges-filename", help="GPT-2 BPE merges.txt (with --vocab-filename)"),
+) -> None:
+    """metaseq or fairseq transformer_lm checkpoint -> our checkpoint (fused qkv, model-parallel parts)."""
+    from metaseq_ds.cli import import_
+
+    run_guarded("import metaseq", import_.metaseq, checkpoint, out, hf_tokenizer, vocab_filename, merges_filename)
+
+
 def _version(value: bool) -> None:
     if value:
         print(f"metaseq-ds {__version__}")
@@ -69,6 +159,10 @@ def _root(
 
 
 def main(argv: Optional[List[str]] = None) -> None:
+    if os.environ.get("METASEQ_DS_COMPAT"):  # plugins that `import fairseq` and cannot be edited
+        import compat
+
+        run_guarded("compat", compat.install_from_env)
     app(args=argv, prog_name="mseq")
 
 
