@@ -25,30 +25,7 @@ from metaseq_ds.models import (
     register_model_architecture,
 )
 from metaseq_ds.modules import Dropout
-
-PAD = 1
-
-
-class TinyDictionary:
-    def __len__(self):
-        return 48
-
-    def pad(self):
-        return PAD
-
-    def bos(self):
-        return 0
-
-    def eos(self):
-        return 2
-
-    def unk(self):
-        return 3
-
-
-class TinyTask:
-    dictionary = TinyDictionary()
-
+from test_hf_parity import PAD, TinyDictionary, TinyTask
 
 def tiny_cfg(**changes):
     values = dict(
@@ -71,7 +48,7 @@ def tiny_model(seed=0, **changes):
 
 
 def tokens(batch=2, length=10, seed=1):
-    return torch.randint(4, 48, (batch, length), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(4, len(TinyDictionary()), (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
 def resolved(arch, **explicit):
@@ -193,7 +170,7 @@ def test_user_plugin_model_and_fairseq_style_architecture():
         model = build_model(cfg, TinyTask())
         assert isinstance(model, ToyLM) and model.decoder.embed.embedding_dim == 8
         logits, _ = model(tokens())
-        assert logits.shape == (2, 10, 48)
+        assert logits.shape == (2, 10, len(TinyDictionary()))
         with pytest.raises(ValueError, match="duplicate"):
             register_model_architecture("toy_plugin_lm", "toy_plugin_lm_wide")(toy_wide)
         with pytest.raises(ValueError, match="unknown model"):
@@ -213,7 +190,7 @@ def test_incremental_decoder_is_the_base_decoder():
 def test_output_shapes_and_inner_states():
     model = tiny_model().eval()
     logits, extra = model(tokens(), src_lengths=torch.tensor([10, 10]))
-    assert logits.shape == (2, 10, 48)
+    assert logits.shape == (2, 10, len(TinyDictionary()))
     assert len(extra["inner_states"]) == 3 and extra["inner_states"][0].shape == (2, 10, 16)
     features, _ = model(tokens(), features_only=True)
     assert features.shape == (2, 10, 16)
@@ -283,7 +260,7 @@ def test_outputs_ignore_future_tokens(learned):
     model = tiny_model(decoder_learned_pos=learned).eval()
     x = tokens()
     changed = x.clone()
-    changed[:, 6:] = (changed[:, 6:] + 5) % 40 + 4
+    changed[:, 6:] = (changed[:, 6:] + 5) % (len(TinyDictionary()) - 4) + 4
     with torch.no_grad():
         before, after = model(x)[0], model(changed)[0]
     torch.testing.assert_close(after[:, :6], before[:, :6])
