@@ -9,7 +9,6 @@ under 1.5x the model's fp32 size, i.e. never two copies of the model in memory.
 """
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -17,33 +16,23 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 
 def write_checkpoint(save_dir: Path, arch: str) -> int:
     """The checkpoint `mseq train` would save after 0 updates; returns the model's fp32 bytes."""
     import torch
 
+    from metaseq_ds.checkpoint_utils import write_module_checkpoint
     from metaseq_ds.data import Dictionary
     from metaseq_ds.models.transformer_lm import TransformerLanguageModel
     from metaseq_ds.options import parse_train_config
 
     cfg = parse_train_config(["--arch", arch, "--tokens-per-sample", "2048", "--final-vocab-size", "50272"])
-    dictionary = Dictionary()
-    dictionary.pad_to_multiple_(50272)
-
-    class Task:
-        pass
-
-    Task.dictionary = dictionary
     torch.manual_seed(0)
-    model = TransformerLanguageModel.build_model(cfg.model, Task())
+    model = TransformerLanguageModel.build_model(cfg.model, SimpleNamespace(dictionary=Dictionary.of_size(50272)))
     model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights once
-    tag = save_dir / "checkpoint_1_0"
-    tag.mkdir(parents=True)
-    torch.save({"module": model.state_dict()}, tag / "mp_rank_00_model_states.pt")
-    meta = {"config": cfg.to_dict(), "num_updates": 0, "epoch": 1, "world_size": 1, "zero_stage": 0}
-    (tag / "metaseq_ds.json").write_text(json.dumps(meta))
-    (save_dir / "checkpoint_last").write_text("checkpoint_1_0\n")
+    write_module_checkpoint(save_dir, "checkpoint_1_0", model.state_dict(), {"config": cfg.to_dict()})
     return model_bytes
 
 

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from metaseq_ds.data import Dictionary
 from metaseq_ds.models import TransformerLanguageModel, TransformerLanguageModelConfig
 from metaseq_ds.models.hf_opt import state_dict_to_hf, to_hf_config
 from metaseq_ds.sequence_generator import SequenceGenerator
@@ -23,19 +24,8 @@ from metaseq_ds.sequence_generator import SequenceGenerator
 PROMPT, NEW = 32, 128
 
 
-class OPTDictionary:
-    def __len__(self):
-        return 50272
-
-    def pad(self):
-        return 1
-
-    def eos(self):
-        return 2
-
-
 class Task:
-    dictionary = OPTDictionary()
+    dictionary = Dictionary.of_size(50272)  # OPT's vocabulary size
 
 
 def build(layers: int, dim: int, heads: int):
@@ -48,7 +38,7 @@ def build(layers: int, dim: int, heads: int):
     )
     torch.manual_seed(0)
     ours = TransformerLanguageModel.build_model(cfg, Task()).eval()
-    hf = OPTForCausalLM(to_hf_config(cfg, vocab_size=len(OPTDictionary()))).eval()
+    hf = OPTForCausalLM(to_hf_config(cfg, vocab_size=len(Task.dictionary))).eval()
     hf.load_state_dict(state_dict_to_hf(ours.state_dict(), layers))
     return ours, hf
 
@@ -77,7 +67,7 @@ def main() -> None:
     verdicts = []
     for batch in (1, 8):
         prompts = torch.randint(4, 50000, (batch, PROMPT), generator=torch.Generator().manual_seed(batch))
-        generator = SequenceGenerator([ours], OPTDictionary(), max_new_tokens=NEW, min_new_tokens=NEW, temperature=0)
+        generator = SequenceGenerator([ours], Task.dictionary, max_new_tokens=NEW, min_new_tokens=NEW, temperature=0)
 
         def run_ours():
             hypos = generator.generate([ours], prompts.tolist())

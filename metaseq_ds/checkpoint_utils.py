@@ -69,6 +69,20 @@ def mark_last(ref: CheckpointRef) -> None:
     _atomic_write(ref.save_dir / LAST, ref.tag + "\n")
 
 
+def write_module_checkpoint(save_dir: Path, tag: str, module_state: Dict[str, torch.Tensor], meta: Dict[str, Any]) -> CheckpointRef:
+    """A checkpoint of weights alone, in the layout of a one-rank ZeRO-0 save, marked last.
+
+    Imports write these (and tests and benchmarks stand in for `mseq train` with them);
+    readers cannot tell them from a save by the trainer, except by what `meta` says.
+    """
+    ref = CheckpointRef(Path(save_dir), tag)
+    ref.path.mkdir(parents=True)
+    torch.save({"module": module_state}, ref.path / "mp_rank_00_model_states.pt")
+    write_meta(ref, {"num_updates": 0, "epoch": 1, "world_size": 1, "zero_stage": 0, **meta})
+    mark_last(ref)
+    return ref
+
+
 def remove_old_checkpoints(save_dir: Path, keep_last: int, current: str) -> None:
     """Keep the newest `keep_last` update checkpoints (by update count); never the current one."""
     if keep_last < 0:

@@ -1,10 +1,11 @@
 """Tiny models and checkpoints for the conversion tests (export, import, errors)."""
 
-import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
+from metaseq_ds.checkpoint_utils import write_module_checkpoint
 from metaseq_ds.data import Dictionary
 from metaseq_ds.models.transformer_lm import TransformerLanguageModel
 
@@ -26,15 +27,9 @@ def variant_flags(variant: str):
     return list(TINY_MODEL)
 
 
-class _Task:
-    def __init__(self, vocab: int = VOCAB):
-        self.dictionary = Dictionary()
-        self.dictionary.pad_to_multiple_(vocab)
-
-
 def build_model(model_cfg, seed: int = 0, vocab: int = VOCAB):
     torch.manual_seed(seed)
-    return TransformerLanguageModel.build_model(model_cfg, _Task(vocab)).eval()
+    return TransformerLanguageModel.build_model(model_cfg, SimpleNamespace(dictionary=Dictionary.of_size(vocab))).eval()
 
 
 def write_zero0_checkpoint(save_dir: Path, flags, seed: int = 0):
@@ -43,12 +38,7 @@ def write_zero0_checkpoint(save_dir: Path, flags, seed: int = 0):
 
     cfg = parse_train_config(flags)
     model = build_model(cfg.model, seed)
-    tag = save_dir / "checkpoint_1_0"
-    tag.mkdir(parents=True)
-    torch.save({"module": model.state_dict()}, tag / "mp_rank_00_model_states.pt")
-    meta = {"config": cfg.to_dict(), "num_updates": 0, "epoch": 1, "world_size": 1, "zero_stage": 0}
-    (tag / "metaseq_ds.json").write_text(json.dumps(meta))
-    (save_dir / "checkpoint_last").write_text("checkpoint_1_0\n")
+    write_module_checkpoint(save_dir, "checkpoint_1_0", model.state_dict(), {"config": cfg.to_dict()})
     return model, cfg
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import OPTForCausalLM
 
+from metaseq_ds.data import Dictionary
 from metaseq_ds.models import TransformerLanguageModel, TransformerLanguageModelConfig
 from metaseq_ds.models.hf_opt import state_dict_from_hf, state_dict_to_hf, to_hf_config
 from metaseq_ds.models.transformer_decoder import embed_scale
@@ -17,21 +18,8 @@ from metaseq_ds.models.transformer_decoder import embed_scale
 PAD = 1
 
 
-class TinyDictionary:
-    def __len__(self):
-        return 40
-
-    def pad(self):
-        return PAD
-
-    def bos(self):
-        return 0
-
-    def eos(self):
-        return 2
-
-    def unk(self):
-        return 3
+def TinyDictionary():
+    return Dictionary.of_size(40)
 
 
 class TinyTask:

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from metaseq_ds.data import Dictionary
 from metaseq_ds.data.tokenizers import ByteTokenizer
 from metaseq_ds.errors import UsageError
 from metaseq_ds.hub_utils import GeneratorInterface
@@ -15,12 +16,12 @@ from metaseq_ds.sequence_generator import SequenceGenerator, left_pad, top_k_mas
 from test_hf_parity import PAD, TinyDictionary, build_pair
 
 
-class FrequentEosDictionary(TinyDictionary):
+def FrequentEosDictionary():
     """eos = 3, a token the tiny random model often prefers, so that beams end early and
     the finished-beam bookkeeping is exercised, not only the length limit."""
-
-    def eos(self):
-        return 3
+    dictionary = TinyDictionary()
+    dictionary.eos_index = 3
+    return dictionary
 
 
 def _prompts(seed: int):
@@ -144,15 +145,8 @@ def test_sampling_follows_the_masked_distribution():
         torch.testing.assert_close(observed, expected / expected.sum(), atol=0.04, rtol=0)
 
 
-class FixedDictionary:
-    def __len__(self):
-        return 8
-
-    def pad(self):
-        return 1
-
-    def eos(self):
-        return 2
+def FixedDictionary():
+    return Dictionary.of_size(8)
 
 
 class FixedDistributionDecoder(BaseDecoder):

@@ -10,9 +10,9 @@
 `mseq train --restore-file OUT` starts from its weights with a fresh optimizer at update 0.
 """
 
-import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Dict, List, Mapping, Optional
 
 import torch
@@ -50,15 +50,9 @@ def check_state_dict(cfg, state_dict: Mapping[str, torch.Tensor], vocab_size: in
     from metaseq_ds.data import Dictionary
     from metaseq_ds.models.transformer_lm import TransformerLanguageModel
 
-    dictionary = Dictionary()
-    dictionary.pad_to_multiple_(vocab_size)
-
-    class _Task:
-        pass
-
-    _Task.dictionary = dictionary
+    task = SimpleNamespace(dictionary=Dictionary.of_size(vocab_size))
     with torch.device("meta"):
-        expected = TransformerLanguageModel.build_model(cfg.model, _Task()).state_dict()
+        expected = TransformerLanguageModel.build_model(cfg.model, task).state_dict()
     for name, tensor in expected.items():
         if name not in state_dict:
             raise UsageError(f"{source}: weight {name!r} is missing")
@@ -75,6 +69,7 @@ def write_weights_only_checkpoint(
     tokenizer_files: Dict[str, Path], source: str,
 ) -> List[str]:
     """Check, then write atomically (see `output_dir`); returns notes for the user."""
+    from metaseq_ds.checkpoint_utils import write_module_checkpoint
     from metaseq_ds.convert.output_dir import check_free, staged_output
 
     check_free(out)
@@ -90,16 +85,12 @@ def write_weights_only_checkpoint(
         f"{source} has no tokenizer files: the checkpoint uses the byte tokenizer; for text in and out, "
         "pass the model's tokenizer to mseq (--vocab-filename/--merges-filename or --hf-tokenizer)"]
     with staged_output(out) as staging:
-        (staging / TAG).mkdir()
         if tokenizer_files:
             (staging / "tokenizer").mkdir()
             for path in tokenizer_files.values():
                 shutil.copyfile(path, staging / "tokenizer" / path.name)
-        torch.save({"module": state_dict}, staging / TAG / "mp_rank_00_model_states.pt")
-        meta = {"config": cfg.to_dict(), "num_updates": 0, "epoch": 1, "world_size": 1, "zero_stage": 0,
-                "weights_only": True, "imported_from": source}
-        (staging / TAG / "metaseq_ds.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
-        (staging / "checkpoint_last").write_text(TAG + "\n")
+        write_module_checkpoint(staging, TAG, state_dict,
+                                {"config": cfg.to_dict(), "weights_only": True, "imported_from": source})
     return notes
 
 

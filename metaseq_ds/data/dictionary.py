@@ -26,6 +26,14 @@ class Dictionary:
         for symbol in symbols:
             self.add_symbol(symbol)
 
+    @classmethod
+    def of_size(cls, size: int) -> "Dictionary":
+        """The special symbols padded to `size` entries: what a model of that vocabulary needs
+        when no tokenizer is at hand (weight checks, converted checkpoints, tests)."""
+        dictionary = cls()
+        dictionary.pad_to_multiple_(size)
+        return dictionary
+
     def add_symbol(self, symbol: str) -> int:
         if symbol not in self.indices:
             self.indices[symbol] = len(self.symbols)
