@@ -118,35 +118,74 @@ def check_compatible(meta: Dict[str, Any], arch: str, model_cfg: Dict[str, Any],
         )
 
 
+def tensor_parallel_meta(module: torch.nn.Module, size: int) -> Dict[str, Any]:
+    """What merging a tensor-parallel save needs: the degree and each sharded tensor's split dimension."""
+    if size <= 1:
+        return {}
+    from metaseq_ds.distributed.tensor_parallel import partition_dims
+
+    names = [name for name, _ in module.named_parameters(remove_duplicate=False)]
+    return {"tensor_parallel_size": size, "partition_dims": partition_dims(names)}
+
+
 def load_model_weights(ref: CheckpointRef) -> Dict[str, torch.Tensor]:
-    """Full fp32 weights of a checkpoint, gathered from ZeRO shards when needed (one process)."""
-    meta = ref.meta()
-    if meta["zero_stage"] > 0:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        return get_fp32_state_dict_from_zero_checkpoint(str(ref.save_dir), tag=ref.tag)
-    from metaseq_ds.distributed.safe_checkpoint_loading import safe_load
-
-    states = safe_load(ref.path / "mp_rank_00_model_states.pt", map_location="cpu")
-    return {k: v.float() for k, v in states["module"].items()}
+    """Full fp32 weights of a checkpoint, gathered from ZeRO and tensor-parallel shards (one process)."""
+    weights = lazy_model_weights(ref)
+    converted: Dict[int, torch.Tensor] = {}  # by identity: a tied weight stays one tensor
+    return {name: converted.setdefault(id(value), value.contiguous().float()) for name, value in weights.items()}
 
 
 def lazy_model_weights(ref: CheckpointRef) -> Dict[str, Any]:
-    """The weights of `load_model_weights`, each materialised only by `.contiguous()`.
+    """The full weights, each materialised only by `.contiguous()`.
 
     Files are memory-mapped (ZeRO shards through DeepSpeed's lazy mode), so a caller that
     converts one tensor at a time never holds two copies of the model. Tied weights are the
-    same object under both names. Values keep their saved dtype (a bf16 run's module is bf16).
+    same object under both names. Values keep their saved dtype (a bf16 run's module is bf16,
+    ZeRO's master weights are fp32). A tensor-parallel save is merged by its partition
+    metadata: each sharded tensor is the concatenation of its ranks' shards.
     """
     meta = ref.meta()
-    if meta["zero_stage"] > 0:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    size = meta.get("tensor_parallel_size", 1)
+    parts = [_tensor_parallel_part(ref, meta["zero_stage"], tp_rank) for tp_rank in range(size)]
+    if size == 1:
+        return parts[0]
+    from metaseq_ds.distributed.tensor_parallel import merge_shards
 
-        return get_fp32_state_dict_from_zero_checkpoint(str(ref.save_dir), tag=ref.tag, lazy_mode=True)
-    from metaseq_ds.distributed.safe_checkpoint_loading import safe_load
+    return merge_shards(parts, meta["partition_dims"], concat=_LazyConcat)
 
-    states = safe_load(ref.path / "mp_rank_00_model_states.pt", map_location="cpu", mmap=True)
-    return dict(states["module"])
+
+def _tensor_parallel_part(ref: CheckpointRef, zero_stage: int, tp_rank: int) -> Dict[str, Any]:
+    """One tensor-parallel rank's weights, consolidated over its data-parallel ZeRO shards."""
+    if zero_stage == 0:
+        from metaseq_ds.distributed.safe_checkpoint_loading import safe_load
+
+        states = safe_load(ref.path / f"mp_rank_{tp_rank:02d}_model_states.pt", map_location="cpu", mmap=True)
+        return dict(states["module"])
+    # DeepSpeed's consolidation, given the files of one tensor-parallel rank: its public entry
+    # point takes the whole directory and refuses a save of several tensor-parallel ranks.
+    from deepspeed.utils import zero_to_fp32
+
+    folder = str(ref.path)
+    model_states = zero_to_fp32.parse_model_states(
+        zero_to_fp32.get_checkpoint_files(folder, f"*mp_rank_{tp_rank:02d}_model_states.pt"))
+    stage, dp_size, flat_groups, paddings = zero_to_fp32.parse_optim_states(
+        zero_to_fp32.get_checkpoint_files(folder, f"*mp_rank_{tp_rank:02d}_optim_states.pt"), folder)
+    if stage <= 2:
+        return zero_to_fp32._get_fp32_state_dict_from_zero2_checkpoint(dp_size, flat_groups, model_states, False, paddings)
+    return zero_to_fp32._get_fp32_state_dict_from_zero3_checkpoint(dp_size, flat_groups, model_states, False)
+
+
+class _LazyConcat:
+    """A merged tensor-parallel tensor that reads its shards only when `.contiguous()` is called."""
+
+    def __init__(self, parts, dim: int):
+        self.parts, self.dim = parts, dim
+        shapes = [tuple(part.shape) for part in parts]
+        self.shape = torch.Size(
+            sum(shape[d] for shape in shapes) if d == dim else size for d, size in enumerate(shapes[0]))
+
+    def contiguous(self) -> torch.Tensor:
+        return torch.cat([part.contiguous() for part in self.parts], dim=self.dim)
 
 
 def load_model_for_inference(path: str, data: Optional[str] = None, need_data: bool = True):

@@ -6,8 +6,11 @@
     result["text"], result["tokens"], result["text_offset"], result["token_scores"],
     result["top_logprobs"], result["finish_reason"]
 
-The checkpoint may have been saved by any number of ranks: ZeRO shards are gathered into one
-process (`checkpoint_utils.load_model_weights`). Prompts are text (encoded, after the </s>
+The checkpoint may have been saved by any number of ranks: ZeRO and tensor-parallel shards are
+gathered (`checkpoint_utils.load_model_weights`). Under a launcher (WORLD_SIZE > 1) the model is
+then sharded across the ranks with the tensor-parallel plan: every rank runs the same decoding
+loop on its shard, with the logits gathered, so all ranks choose the same tokens (sampling
+uses one seed, rank 0's when none is given). Prompts are text (encoded, after the </s>
 that separates documents in training, as OPT's tokenizer does) or lists of token ids (used
 as given). A prompt must leave room for at least one new token in the model's positions; a
 longer one is refused, not truncated, and generation stops at the last position
@@ -19,6 +22,7 @@ Decoding: temperature 0 is greedy, or beam search over `best_of` beams returning
 """
 
 import logging
+import os
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
 from metaseq_ds.errors import UsageError
@@ -42,7 +46,17 @@ class GeneratorInterface:
         if self.model is None:
             from metaseq_ds import checkpoint_utils
 
-            _, self.task, self.model, ref = checkpoint_utils.load_model_for_inference(self.path, need_data=False)
+            ranks = _launched_ranks()
+            if ranks > 1:
+                from metaseq_ds.distributed import utils as dist_utils
+
+                dist_utils.init_distributed(tensor_parallel_size=ranks)
+            cfg, self.task, self.model, ref = checkpoint_utils.load_model_for_inference(self.path, need_data=False)
+            if ranks > 1:
+                from metaseq_ds.distributed.tensor_parallel import apply_tensor_parallel, check_divisible
+
+                check_divisible(cfg.model, ranks, source="the number of ranks,")
+                apply_tensor_parallel(self.model, gather_logits=True).eval()
             logger.info("loaded %s", ref.path)
         return [self.model]
 
@@ -101,6 +115,8 @@ class GeneratorInterface:
         from metaseq_ds.sequence_generator import SequenceGenerator
 
         self.load_model()
+        if _launched_ranks() > 1:
+            seed = _rank0_value(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
         best_of = n if best_of is None else best_of
         if n < 1 or best_of < n:
             raise UsageError(f"need 1 <= n <= best_of, got n={n}, best_of={best_of}")
@@ -207,3 +223,17 @@ def _top_lists(hypo: Dict, prefix: str) -> List[List]:
     """Per position, [(token_id, logprob), ...] of the k most likely tokens."""
     return [list(zip(ids, values)) for ids, values in
             zip(hypo[f"{prefix}_tokens"].tolist(), hypo[f"{prefix}_logprobs"].tolist())]
+
+
+def _launched_ranks() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _rank0_value(value: int) -> int:
+    """`value` as rank 0 has it: the ranks of a sharded model must draw the same samples."""
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.broadcast(tensor, src=0)
+    return int(tensor.item())

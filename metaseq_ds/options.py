@@ -13,6 +13,7 @@ import ast
 import dataclasses
 import importlib.util
 import json
+import math
 import os
 import sys
 import typing
@@ -266,12 +267,32 @@ def derive(cfg: MetaseqConfig) -> MetaseqConfig:
         dist.zero_stage = 3
     if dist.zero_stage is not None and dist.zero_stage not in (0, 1, 2, 3):
         raise UsageError(f"invalid value {dist.zero_stage} for --zero-stage: choose 0, 1, 2 or 3")
-    if max(dist.model_parallel_size, dist.tensor_parallel_size) > 1:
-        raise UsageError(
-            "--model-parallel-size/--tensor-parallel-size > 1: tensor parallelism is not available yet; "
-            "use ZeRO-3 (--zero-stage 3, the default with several ranks) to shard the model"
-        )
+    _derive_tensor_parallel(cfg)
     return cfg
+
+
+def _derive_tensor_parallel(cfg: MetaseqConfig) -> None:
+    """One tensor-parallel degree from metaseq's and DeepSpeed's flag; checks that need no ranks."""
+    from metaseq_ds.distributed.tensor_parallel import check_divisible
+
+    dist = cfg.distributed_training
+    sizes = {dist.model_parallel_size, dist.tensor_parallel_size} - {1}
+    if len(sizes) > 1:
+        raise UsageError(f"--model-parallel-size {dist.model_parallel_size} and --tensor-parallel-size "
+                         f"{dist.tensor_parallel_size} disagree: give one of them")
+    size = max(sizes, default=1)
+    if size < 1 or min(dist.model_parallel_size, dist.tensor_parallel_size) < 1:
+        raise UsageError("--model-parallel-size must be at least 1")
+    dist.model_parallel_size = dist.tensor_parallel_size = size
+    if size == 1:
+        return
+    check_divisible(cfg.model, size)
+    task = cfg.task
+    if "padding_factor" in task.__dataclass_fields__:
+        task.padding_factor = math.lcm(task.padding_factor, 8 * size)  # metaseq: vocab a multiple of 8*N
+        if task.final_vocab_size is not None and task.final_vocab_size % size != 0:
+            raise UsageError(f"--final-vocab-size {task.final_vocab_size} is not divisible by "
+                             f"--model-parallel-size {size} (the vocabulary is split across ranks)")
 
 
 def config_from_dict(values: Dict[str, Any]) -> MetaseqConfig:

@@ -8,7 +8,8 @@ Loss normalisation: metaseq divides the summed loss of an update by the number o
 tokens in the whole update (all ranks, all micro-batches). DeepSpeed divides each backward
 by the accumulation steps and averages gradients over ranks, so each micro-batch's summed
 loss is scaled by steps * ranks / global_tokens: the result is exactly metaseq's gradient,
-whatever the split of the global batch.
+whatever the split of the global batch. With tensor parallelism "ranks" are the
+data-parallel ranks: the ranks of one tensor-parallel group see the same batch.
 """
 
 import logging
@@ -47,13 +48,20 @@ class Trainer:
         self.cfg, self.task, self.criterion = cfg, task, criterion
         self.world_size = dist_utils.get_world_size()
         self.rank = dist_utils.get_global_rank()
+        # Batches, seeds and loss sums go by data-parallel rank (the same on one TP group's ranks).
+        self.data_parallel_size = dist_utils.get_data_parallel_world_size()
+        self.data_parallel_rank = dist_utils.get_data_parallel_rank()
+        self.data_parallel_group = dist_utils.get_data_parallel_group()
         accelerator = deepspeed.get_accelerator()
         self.ds_config = build_deepspeed_config(
             cfg, self.world_size, fp16_supported=accelerator.is_fp16_supported()
         )
         self.optimizer = build_optimizer(cfg.optimizer, [p for p in model.parameters() if p.requires_grad])
+        # With tensor parallelism DeepSpeed's group registry is the mpu: the engine then counts
+        # data-parallel ranks in its batch arithmetic and reduces ZeRO's gradients over them.
+        mpu = deepspeed.utils.groups if dist_utils.get_tensor_model_parallel_world_size() > 1 else None
         self.engine, ds_optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=self.optimizer.optimizer, config=self.ds_config
+            model=model, optimizer=self.optimizer.optimizer, config=self.ds_config, mpu=mpu
         )
         use_weights_only_loading(self.engine)
         self.model = self.engine  # criterion(model, sample) runs the engine's forward
@@ -70,8 +78,9 @@ class Trainer:
         return self.optimizer.get_lr()
 
     def _seed_for_update(self) -> None:
-        """Seed dropout from (seed, update, rank): resumed runs draw the same masks as unbroken ones."""
-        seed = self.cfg.common.seed + self.num_updates * 1000 + self.rank
+        """Seed dropout from (seed, update, data-parallel rank): resumed runs draw the same masks as
+        unbroken ones, and the ranks of a tensor-parallel group draw the same replicated masks."""
+        seed = self.cfg.common.seed + self.num_updates * 1000 + self.data_parallel_rank
         torch.manual_seed(seed)
         random.seed(seed)
 
@@ -81,8 +90,8 @@ class Trainer:
         start = time.perf_counter()
         local_tokens = sum(sample["ntokens"] for sample in samples)
         local_sentences = sum(sample["nsentences"] for sample in samples)
-        global_tokens, global_sentences = dist_utils.all_reduce_sum([local_tokens, local_sentences])
-        scale = len(samples) * self.world_size / max(global_tokens, 1.0)
+        global_tokens, global_sentences = self._sum_over_replicas([local_tokens, local_sentences])
+        scale = len(samples) * self.data_parallel_size / max(global_tokens, 1.0)
         backward = _EngineBackward(self.engine, scale)
         loss_sum = 0.0
         gnorm = None
@@ -95,7 +104,7 @@ class Trainer:
             self.engine.step()
         self.num_updates += 1
         lr = self.lr_scheduler.step_update(self.num_updates)
-        (total_loss,) = dist_utils.all_reduce_sum([loss_sum])
+        (total_loss,) = self._sum_over_replicas([loss_sum])
         gnorm = self._engine_grad_norm() if gnorm is None else gnorm
         clip_norm = self.cfg.optimization.clip_norm
         return {
@@ -113,10 +122,26 @@ class Trainer:
         """ZeRO-0 in fp32 steps the torch optimizer directly and records no gradient norm."""
         return self.zero_stage == 0 and not (self.engine.bfloat16_enabled() or self.engine.fp16_enabled())
 
+    def _sum_over_replicas(self, values: List[float]) -> List[float]:
+        return dist_utils.all_reduce_sum(values, group=self.data_parallel_group)
+
     def _local_grad_norm(self) -> float:
-        """Pre-clipping norm of the full gradient (ZeRO-0: every rank holds all of it, averaged)."""
-        grads = [p.grad.detach().float() for p in self.engine.module.parameters() if p.grad is not None]
-        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+        """Pre-clipping norm of the full gradient (ZeRO-0: every rank holds all of it, averaged).
+
+        A tensor-parallel shard's squares are summed over its group; replicated parameters count once.
+        """
+        sharded = replicated = 0.0
+        for p in self.engine.module.parameters():
+            if p.grad is not None:
+                square = float(torch.linalg.vector_norm(p.grad.detach().float()) ** 2)
+                if getattr(p, "tensor_model_parallel", False):
+                    sharded += square
+                else:
+                    replicated += square
+        tp_group = dist_utils.get_tensor_model_parallel_group()
+        if tp_group is not None:
+            (sharded,) = dist_utils.all_reduce_sum([sharded], group=tp_group)
+        return math.sqrt(sharded + replicated)
 
     def _engine_grad_norm(self) -> float:
         norm = self.engine.get_global_grad_norm()
@@ -134,7 +159,7 @@ class Trainer:
             _, _, logging_output = self.task.valid_step(self._to_device(sample), self.model, self.criterion)
             loss_sum += float(logging_output["loss"])
             tokens += float(logging_output["ntokens"])
-        loss_sum, tokens = dist_utils.all_reduce_sum([loss_sum, tokens])
+        loss_sum, tokens = self._sum_over_replicas([loss_sum, tokens])
         loss = loss_sum / max(tokens, 1.0) / math.log(2)
         return {"loss": loss, "ppl": 2**loss, "ntokens": tokens}
 

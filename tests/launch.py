@@ -38,12 +38,12 @@ def env() -> Dict[str, str]:
 
 
 def run(args: List[str], launcher: Optional[str] = None, cwd: Optional[Path] = None, timeout: int = 300,
-        check: bool = True) -> subprocess.CompletedProcess:
+        check: bool = True, ranks: int = 2) -> subprocess.CompletedProcess:
     if launcher == "deepspeed":
-        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port",
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port",
                str(random.randint(20000, 40000)), "--module", "metaseq_ds.cli.train", *args]
     elif launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks), "--master_port",
                str(random.randint(20000, 40000)), "-m", "metaseq_ds.cli.train", *args]
     else:
         cmd = [sys.executable, "-m", "metaseq_ds.cli.main", "train", *args]

@@ -65,11 +65,30 @@ def test_bad_input_is_one_line_and_exit_2(checkpoint, args, complaint):
     assert complaint in result.output and "Traceback" not in result.output
 
 
-def test_missing_checkpoint_and_a_launcher_are_refused_through_the_console_script(tmp_path):
+def test_missing_checkpoint_is_refused_through_the_console_script(tmp_path):
     command = [sys.executable, "-m", "metaseq_ds.cli.main", "generate", "--path", str(tmp_path / "nope"), "hi"]
     missing = subprocess.run(command, capture_output=True, text=True, env=env())
     assert missing.returncode == 2
     assert missing.stderr.strip() == f"mseq generate: error: --path: {tmp_path / 'nope'} is not a checkpoint " \
                                      "(expected a save dir with checkpoint_last, or a checkpoint_* dir)"
-    ranks = subprocess.run(command, capture_output=True, text=True, env={**env(), "WORLD_SIZE": "2"})
-    assert ranks.returncode == 2 and "running as 2 ranks" in ranks.stderr
+
+
+def test_under_the_deepspeed_launcher_the_model_is_sharded_and_gives_the_same_completions(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus")
+    save_dir = tmp_path / "ckpt"
+    run([str(corpus), *TINY, "--decoder-attention-heads", "4", "--max-update", "3", "--batch-size", "4",
+         "--save-dir", str(save_dir), "--disable-validation"])
+    args = ["--path", str(save_dir), "the model", "loss", "--max-tokens", "8", "--output-format", "jsonl"]
+    one_process = [_generate(*args, "--temperature", "0"), _generate(*args, "--temperature", "0.8", "--seed", "3")]
+    for mode, single in zip((["--temperature", "0"], ["--temperature", "0.8", "--seed", "3"]), one_process):
+        assert single.exit_code == 0, single.output
+        command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", "29741",
+                   "--module", "metaseq_ds.cli.generate", *args, *mode]
+        sharded = subprocess.run(command, capture_output=True, text=True, env=env(), timeout=300)
+        records = [json.loads(line) for line in sharded.stdout.splitlines() if line.startswith('{"prompt"')]
+        expected = [json.loads(line) for line in single.stdout.splitlines()]
+        assert len(records) == 2, sharded.stdout[-2000:] + sharded.stderr[-2000:]
+        for record, reference in zip(records, expected):
+            assert (record["text"], record["tokens"], record["finish_reason"]) == \
+                (reference["text"], reference["tokens"], reference["finish_reason"])
+            assert record["token_scores"] == pytest.approx(reference["token_scores"], abs=1e-5)

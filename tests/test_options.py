@@ -87,13 +87,25 @@ def test_every_builtin_field_has_help():
     (["--arch", "opt_125"], "--arch: unknown architecture 'opt_125'"),
     (["--optimizer", "adamw"], "--optimizer: unknown optimizer 'adamw'"),
     (["--fp16", "--bf16"], "--fp16 and --bf16"),
-    (["--model-parallel-size", "2"], "tensor parallelism is not available yet"),
+    (["--arch", "transformer_lm_gpt2_tiny", "--model-parallel-size", "2"],
+     "--model-parallel-size 2 does not divide --decoder-attention-heads 1 (each rank holds whole heads)"),
+    (["--decoder-attention-heads", "4", "--decoder-ffn-embed-dim", "1030", "--model-parallel-size", "4"],
+     "does not divide --decoder-ffn-embed-dim 1030"),
+    (["--model-parallel-size", "2", "--tensor-parallel-size", "4"], "disagree: give one of them"),
+    (["--decoder-attention-heads", "4", "--model-parallel-size", "2", "--final-vocab-size", "51"],
+     "--final-vocab-size 51 is not divisible"),
 ])
 def test_bad_flags_give_one_clear_line(argv, message):
     with pytest.raises(UsageError) as error:
         parse_train_config(DATA + argv)
     assert message in str(error.value)
     assert "\n" not in str(error.value)
+
+
+def test_tensor_parallel_degree_pads_the_vocabulary_to_a_multiple_of_8n():
+    cfg = parse_train_config(DATA + ["--decoder-attention-heads", "4", "--tensor-parallel-size", "4"])
+    assert cfg.distributed_training.model_parallel_size == 4 and cfg.task.padding_factor == 32
+    assert parse_train_config(DATA).task.padding_factor == 8
 
 
 def test_bad_config_file_names_file_and_key(tmp_path):

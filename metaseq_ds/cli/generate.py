@@ -7,8 +7,10 @@ or one JSON object per completion (`--output-format jsonl`: metaseq's result dic
 "prompt" and "finish_reason").
 
 Runs in one process on the CPU (or the current device) with the checkpoint's full weights,
-gathered from ZeRO shards if it was saved by several ranks. It refuses to run as several
-ranks under a launcher: sharded inference is not built yet.
+gathered from ZeRO and tensor-parallel shards if it was saved by several ranks. Under a
+launcher the model is sharded across the ranks (tensor parallelism) and rank 0 prints:
+
+    deepspeed --num_gpus 2 --module metaseq_ds.cli.generate --path CKPT "a prompt"
 """
 
 import contextlib
@@ -27,18 +29,14 @@ OUTPUT_FORMATS = ("text", "jsonl")
 def main(prompts: List[str], path: str, input_file: Optional[str], max_tokens: int, min_tokens: int,
          temperature: float, top_p: float, top_k: int, n: int, best_of: Optional[int], logprobs: int,
          echo: bool, stop: List[str], seed: Optional[int], length_penalty: float, output_format: str) -> None:
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size > 1:
-        raise UsageError(
-            f"running as {world_size} ranks: generation runs in one process (a ZeRO-3 checkpoint is "
-            "gathered there); start `mseq generate` without a launcher"
-        )
     check_options(temperature, top_p, top_k, n, best_of, max_tokens, min_tokens, output_format)
     if prompts and input_file:
         raise UsageError("give prompts as arguments or --input-file, not both")
     if input_file:
         prompts = read_prompts(Path(input_file))
     interactive = not prompts
+    if interactive and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError("under a launcher, give the prompts as arguments or with --input-file (no interactive prompt)")
     if interactive and not sys.stdin.isatty():
         raise UsageError("no prompts: give them as arguments, with --input-file, or run on a terminal for an interactive prompt")
 
@@ -58,6 +56,8 @@ def main(prompts: List[str], path: str, input_file: Optional[str], max_tokens: i
         run_interactive(interface, options, output_format)
         return
     results = interface.generate(prompts, **options)
+    if int(os.environ.get("RANK", "0")) != 0:  # every rank decodes the same tokens; one prints
+        return
     for prompt, completions in zip(prompts, results):
         for completion in completions:
             print_result(prompt, completion, output_format)
@@ -158,3 +158,11 @@ def run_interactive(interface, options: dict, output_format: str) -> None:
                     print_result(prompt, completion, output_format)
         except UsageError as error:  # a bad prompt should not end the session
             print(f"error: {error}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    # `deepspeed --module metaseq_ds.cli.generate ...` (or torchrun -m): the rank comes from the
+    # environment; the deepspeed launcher's own --local_rank=N is not ours.
+    from metaseq_ds.cli.main import main as mseq_main
+
+    mseq_main(["generate", *[arg for arg in sys.argv[1:] if not arg.startswith("--local_rank")]])

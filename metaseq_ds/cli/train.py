@@ -7,6 +7,7 @@
 """
 
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -50,17 +51,23 @@ def main(cfg) -> None:
     from metaseq_ds import checkpoint_utils, tasks
     from metaseq_ds.distributed import utils as dist_utils
     from metaseq_ds.distributed.parallelize import parallelize
+    from metaseq_ds.distributed.tensor_parallel import check_world, tensor_parallel_size
     from metaseq_ds.logging.progress_bar import StatsSink, setup_logging
     from metaseq_ds.trainer import Trainer
 
-    dist_utils.init_distributed(cfg.distributed_training.distributed_port)
-    rank, world_size = dist_utils.get_global_rank(), dist_utils.get_world_size()
+    tp_size = tensor_parallel_size(cfg)
+    dist_utils.prepare_environment(cfg.distributed_training.distributed_port)
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     setup_logging(cfg.common.log_file if rank == 0 else None, quiet=rank != 0)
     _check_world_size(cfg, world_size)
+    check_world(tp_size, world_size)
+    dist_utils.init_distributed(cfg.distributed_training.distributed_port, tp_size)
+    dp_rank, dp_size = dist_utils.get_data_parallel_rank(), dist_utils.get_data_parallel_world_size()
     demo = cfg.task.data is None
     if demo:
         cfg.task.data = str(_demo_corpus(rank))
     restore = _find_restore(cfg)
+    _keep_saved_vocabulary(cfg, restore)
 
     torch.manual_seed(cfg.common.seed)  # identical initial weights on every rank
     task = tasks.setup_task(cfg.task)
@@ -71,17 +78,18 @@ def main(cfg) -> None:
     model = parallelize(model, cfg)
     criterion = task.build_criterion(cfg.criterion)
     n_params = sum(p.numel() for p in model.parameters())
-    logger.info(f"model {cfg.arch}: {n_params:,} parameters; {world_size} rank(s)")
+    logger.info(f"model {cfg.arch}: {n_params:,} parameters (on this rank); {world_size} rank(s)"
+                + (f" = {dp_size} data-parallel x {tp_size} tensor-parallel" if tp_size > 1 else ""))
     trainer = Trainer(cfg, task, model, criterion)
     logger.info(f"DeepSpeed: ZeRO stage {trainer.zero_stage}, micro-batch {cfg.dataset.batch_size}, "
                 f"update-freq {cfg.optimization.update_freq}, bf16 {trainer.ds_config['bf16']['enabled']}")
 
     epoch_itr = task.get_batch_iterator(
         split="train", batch_size=cfg.dataset.batch_size, seed=cfg.common.seed,
-        num_shards=world_size, shard_id=rank, epoch=1,
+        num_shards=dp_size, shard_id=dp_rank, epoch=1,
     )
     if start_from is not None:
-        start_from.after_trainer(cfg, trainer, epoch_itr, world_size)
+        start_from.after_trainer(cfg, trainer, epoch_itr, dp_size)
     elif restore is not None:
         _restore(cfg, trainer, epoch_itr, restore)
 
@@ -193,7 +201,7 @@ def _validate(cfg, task, trainer, epoch, sink):
     for subset in [s.strip() for s in cfg.dataset.valid_subset.split(",") if s.strip()]:
         itr = task.get_batch_iterator(
             split=subset, batch_size=cfg.dataset.batch_size_valid or cfg.dataset.batch_size, seed=cfg.common.seed,
-            num_shards=trainer.world_size, shard_id=trainer.rank, epoch=1,
+            num_shards=trainer.data_parallel_size, shard_id=trainer.data_parallel_rank, epoch=1,
         ).next_epoch_itr()
         stats = trainer.valid_loss(itr, cfg.dataset.max_valid_steps)
         results[subset] = stats
@@ -220,6 +228,8 @@ def _save(cfg, trainer, epoch_itr) -> None:
         checkpoint_utils.write_meta(ref, {
             "config": cfg.to_dict(), "num_updates": trainer.num_updates, "epoch": epoch_itr.epoch,
             "world_size": trainer.world_size, "zero_stage": trainer.zero_stage,
+            "vocab_size": len(trainer.task.dictionary),
+            **checkpoint_utils.tensor_parallel_meta(trainer.engine.module, trainer.world_size // trainer.data_parallel_size),
         })
         checkpoint_utils.mark_last(ref)
         checkpoint_utils.remove_old_checkpoints(save_dir, cfg.checkpoint.keep_last_updates, ref.tag)
@@ -248,6 +258,19 @@ def _find_restore(cfg):
     arch = meta["config"].get("arch") if meta.get("weights_only") else cfg.arch
     checkpoint_utils.check_compatible(meta, arch, cfg.to_dict()["model"], ref.save_dir)
     return ref, meta
+
+
+def _keep_saved_vocabulary(cfg, restore) -> None:
+    """Resuming at another tensor-parallel degree keeps the checkpoint's padded vocabulary (its
+    padding rows are already trained), so the run continues exactly where the saved one was."""
+    from metaseq_ds.convert.restore import WeightsRestore
+
+    if restore is None or isinstance(restore, WeightsRestore) or "padding_factor" not in cfg.task.__dataclass_fields__:
+        return
+    _, meta = restore
+    saved_factor = meta["config"]["task"].get("padding_factor", 8)
+    if cfg.task.final_vocab_size is None and saved_factor % cfg.task.padding_factor == 0:
+        cfg.task.padding_factor = saved_factor
 
 
 def _weights_restore(restore, cfg, world_size):

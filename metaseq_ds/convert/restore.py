@@ -1,10 +1,11 @@
 """Starting `mseq train` from weights rather than resuming: imports, `hf:DIR`, and resharding.
 
 `mseq train --restore-file X` resumes exactly (DeepSpeed's own load) when X was saved by
-the same number of ranks with the same ZeRO stage. Otherwise the weights are loaded into the
-plain model before DeepSpeed wraps it, so any ZeRO stage and rank count can take them:
+the same number of ranks with the same ZeRO stage and tensor-parallel degree. Otherwise the
+weights are merged and loaded into the plain model before it is sharded, so any ZeRO stage,
+rank count and tensor-parallel degree can take them:
 - an imported checkpoint (`"weights_only"` in its meta) or `hf:DIR`: update 0, fresh optimizer;
-- a checkpoint of another world size or ZeRO stage (N ranks -> M ranks): the consolidated
+- a checkpoint of another world size, ZeRO stage or tensor-parallel degree: the consolidated
   weights, plus update count, LR schedule, meters and (if the global micro-batch is unchanged)
   the data position. Optimizer state is NOT carried over (Adam moments restart; a warning
   says so): resharding it needs DeepSpeed's universal checkpoints, not wired up yet.
@@ -17,6 +18,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
+from metaseq_ds.distributed.tensor_parallel import local_shards, tensor_parallel_size
 from metaseq_ds.errors import UsageError
 
 logger = logging.getLogger("metaseq_ds.cli.train")
@@ -34,19 +36,22 @@ class WeightsRestore:
     reason: str = ""
 
     def load_into(self, model: torch.nn.Module) -> None:
-        """Call before DeepSpeed wraps the model: ZeRO then partitions these values."""
+        """Call before the model is sharded: the TP plan and ZeRO then partition these values."""
+        weights = self.load_weights()
+        if getattr(model, "ds_autotp_parsed", False):  # built sharded (--arch model_parallel_transformer_lm)
+            weights = local_shards(weights)
         try:
-            model.load_state_dict(self.load_weights())
+            model.load_state_dict(_fit_vocabulary_rows(weights, model.state_dict()))
         except RuntimeError as error:
             detail = " ".join(str(error).split())[:300]
             raise UsageError(f"--restore-file {self.source}: its weights do not fit this model ({detail})") from None
 
-    def after_trainer(self, cfg, trainer, epoch_itr, world_size: int) -> None:
+    def after_trainer(self, cfg, trainer, epoch_itr, data_parallel_size: int) -> None:
         if self.client_state is None:
             logger.info(f"started from the weights of {self.source} (update 0, fresh optimizer and data order)")
             return
         trainer.load_client_state(self.client_state)
-        global_batch = cfg.dataset.batch_size * world_size
+        global_batch = cfg.dataset.batch_size * data_parallel_size
         iterator = self.client_state["iterator"]
         if global_batch != self.saved_global_batch:
             logger.warning(f"global micro-batch {global_batch} differs from the saved {self.saved_global_batch}: "
@@ -89,14 +94,36 @@ def weights_restore(restore, cfg, world_size: int) -> Optional[WeightsRestore]:
     if meta.get("weights_only"):
         return WeightsRestore(str(ref.path), lambda: checkpoint_utils.load_model_weights(ref))
     stage = build_deepspeed_config(cfg, world_size, fp16_supported=True)["zero_optimization"]["stage"]
-    saved_world, saved_stage = meta["world_size"], meta["zero_stage"]
-    if (saved_world, saved_stage) == (world_size, stage) or saved_stage == stage == 0:
+    tp_size = tensor_parallel_size(cfg)
+    saved_world, saved_stage, saved_tp = meta["world_size"], meta["zero_stage"], meta.get("tensor_parallel_size", 1)
+    if saved_tp == tp_size and ((saved_world, saved_stage) == (world_size, stage) or saved_stage == stage == 0):
         return None
     states_file = "zero_pp_rank_0_mp_rank_00_model_states.pt" if saved_stage == 3 else "mp_rank_00_model_states.pt"
     states = safe_load(ref.path / states_file, map_location="cpu", mmap=True)
     client = {k: states[k] for k in ("num_updates", "lr_scheduler", "metrics", "rng", "iterator")}
     return WeightsRestore(
         str(ref.path), lambda: checkpoint_utils.load_model_weights(ref), client_state=client,
-        saved_global_batch=meta["config"]["dataset"]["batch_size"] * saved_world,
-        reason=f"saved by {saved_world} rank(s) with ZeRO-{saved_stage}, now {world_size} with ZeRO-{stage}",
+        saved_global_batch=meta["config"]["dataset"]["batch_size"] * saved_world // saved_tp,
+        reason=f"saved by {_layout(saved_world, saved_stage, saved_tp)}, now {_layout(world_size, stage, tp_size)}",
     )
+
+
+def _layout(world_size: int, zero_stage: int, tp_size: int) -> str:
+    tp = f" (tensor-parallel {tp_size})" if tp_size > 1 else ""
+    return f"{world_size} rank(s){tp} with ZeRO-{zero_stage}"
+
+
+def _fit_vocabulary_rows(weights: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Saved vocabulary rows into a model padded to more rows (a larger tensor-parallel degree pads
+    the vocabulary to a multiple of 8*N): the extra rows are padding symbols and keep their fresh init."""
+    fitted = dict(weights)
+    for name in ("decoder.embed_tokens.weight", "decoder.output_projection.weight"):
+        saved, wanted = weights.get(name), expected.get(name)
+        if saved is None or wanted is None or saved.shape[1:] != wanted.shape[1:] or saved.shape[0] >= wanted.shape[0]:
+            continue
+        grown = wanted.clone()
+        grown[: saved.shape[0]] = saved
+        fitted[name] = grown
+        logger.warning(f"{name}: {saved.shape[0]} saved vocabulary rows, {wanted.shape[0]} now; "
+                       f"the {wanted.shape[0] - saved.shape[0]} new padding rows keep their initial values")
+    return fitted

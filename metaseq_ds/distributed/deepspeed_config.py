@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Dict
 
 from metaseq_ds.dataclass import MetaseqConfig
+from metaseq_ds.distributed.tensor_parallel import tensor_parallel_size
 from metaseq_ds.errors import UsageError
 
 PRESETS = ("zero1", "zero2", "zero3", "zero3_offload")
@@ -50,13 +51,15 @@ def build_deepspeed_config(cfg: MetaseqConfig, world_size: int, fp16_supported: 
     if fp16 and not fp16_supported:
         warnings.warn("--fp16: this accelerator has no fp16 training support; using bf16 instead", stacklevel=2)
         fp16, bf16 = False, True
+    tp_size = tensor_parallel_size(cfg)
+    data_parallel_size = world_size // tp_size  # DeepSpeed's batch arithmetic counts data-parallel ranks
     zero: Dict[str, Any] = {"stage": resolve_zero_stage(cfg, world_size)}
     if dist_cfg.cpu_offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
     derived: Dict[str, Any] = {
         "train_micro_batch_size_per_gpu": cfg.dataset.batch_size,
         "gradient_accumulation_steps": cfg.optimization.update_freq,
-        "train_batch_size": cfg.dataset.batch_size * cfg.optimization.update_freq * world_size,
+        "train_batch_size": cfg.dataset.batch_size * cfg.optimization.update_freq * data_parallel_size,
         "gradient_clipping": cfg.optimization.clip_norm,
         "bf16": {"enabled": bf16},
         "fp16": {"enabled": fp16, "initial_scale_power": max(0, common.fp16_init_scale.bit_length() - 1)},
@@ -68,6 +71,10 @@ def build_deepspeed_config(cfg: MetaseqConfig, world_size: int, fp16_supported: 
         "steps_per_print": 2**31 - 1,  # we log ourselves, in metaseq's format
         "wall_clock_breakdown": False,
     }
+    if tp_size > 1:
+        # The model arrives sharded (`ds_autotp_parsed`); this makes the engine take DeepSpeed's
+        # tensor/data-parallel groups as its mpu, so ZeRO reduces over the data-parallel group.
+        derived["tensor_parallel"] = {"autotp_size": tp_size}
     if dist_cfg.deepspeed_config is None:
         return derived
     merged = _overlay(derived, load_preset(dist_cfg.deepspeed_config))
@@ -78,6 +85,12 @@ def build_deepspeed_config(cfg: MetaseqConfig, world_size: int, fp16_supported: 
                 f"set {flag} instead (or \"auto\") so the data loader agrees"
             )
     merged["train_batch_size"] = derived["train_batch_size"]
+    preset_tp = merged.get("tensor_parallel", {}).get("autotp_size", 0)
+    if preset_tp not in (0, 1, tp_size):
+        raise UsageError(
+            f"--deepspeed-config: {dist_cfg.deepspeed_config} sets tensor_parallel.autotp_size={preset_tp}; "
+            f"set --model-parallel-size instead (the model is sharded by metaseq_ds's plan, not DeepSpeed's AutoTP)"
+        )
     return merged
 
 

@@ -1,18 +1,22 @@
 """Apply memory/parallelism transforms to a plain model, after construction, in one place.
 
-torchtitan's order: tensor parallelism (not available yet), then activation checkpointing;
-the data-parallel wrapper (the DeepSpeed engine, ZeRO) comes last, in the trainer.
-Model code never knows about any of this.
+torchtitan's order: tensor parallelism (the plan in `tensor_parallel`), then activation
+checkpointing; the data-parallel wrapper (the DeepSpeed engine, ZeRO) comes last, in the
+trainer. Model code never knows about any of this.
 """
 
 import torch
 import torch.utils.checkpoint
 
 from metaseq_ds.dataclass import MetaseqConfig
+from metaseq_ds.distributed.tensor_parallel import apply_tensor_parallel
 from metaseq_ds.errors import UsageError
 
 
 def parallelize(model: torch.nn.Module, cfg: MetaseqConfig) -> torch.nn.Module:
+    # The vocab-parallel criterion reads the logits' shards; every other consumer needs them whole.
+    reads_shards = getattr(cfg.criterion, "_name", None) == "vocab_parallel_cross_entropy"
+    apply_tensor_parallel(model, gather_logits=not reads_shards)
     if cfg.distributed_training.checkpoint_activations:
         apply_activation_checkpointing(model)
     return model

@@ -1,8 +1,14 @@
-"""Start the process group the same way alone, under `deepspeed` and under `torchrun`.
+"""Start the process group the same way alone, under `deepspeed` and under `torchrun`, and
+answer metaseq's rank queries.
 
 A plain `mseq train` has no launcher and no cluster environment: it becomes a world of
 one on 127.0.0.1 with a free port. Launchers set RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*.
 On a machine without CUDA, DeepSpeed's CPU accelerator is chosen and talks over gloo.
+
+With tensor parallelism of degree N the ranks form a (data-parallel x tensor-parallel) grid,
+Megatron's layout: ranks r..r+N-1 hold the N shards of one model replica. The groups are
+DeepSpeed's (`deepspeed.utils.groups`), so the engine, which is handed them as its `mpu`,
+reduces ZeRO's gradients over the data-parallel group only.
 """
 
 import os
@@ -33,13 +39,16 @@ def prepare_environment(distributed_port: int = -1) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_ranks)))
 
 
-def init_distributed(distributed_port: int = -1) -> None:
+def init_distributed(distributed_port: int = -1, tensor_parallel_size: int = 1) -> None:
     prepare_environment(distributed_port)
-    if dist.is_initialized():
-        return
-    import deepspeed
+    if not dist.is_initialized():
+        import deepspeed
 
-    deepspeed.init_distributed()
+        deepspeed.init_distributed()
+    if tensor_parallel_size > 1:
+        from deepspeed.utils import groups
+
+        groups._init_tp_mesh_device(tensor_model_parallel_size=tensor_parallel_size)
 
 
 def get_global_rank() -> int:
@@ -50,9 +59,50 @@ def get_world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-# Without tensor parallelism every rank is a data-parallel rank.
-get_data_parallel_rank = get_global_rank
-get_data_parallel_world_size = get_world_size
+def _tp_groups():
+    """DeepSpeed's group registry when tensor parallelism was set up, else None."""
+    if not dist.is_initialized():
+        return None
+    from deepspeed.utils import groups
+
+    return groups if groups._TENSOR_MODEL_PARALLEL_GROUP is not None else None
+
+
+def get_tensor_model_parallel_group():
+    groups = _tp_groups()
+    return groups.get_tensor_model_parallel_group() if groups else None
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    groups = _tp_groups()
+    return groups.get_tensor_model_parallel_world_size() if groups else 1
+
+
+def get_tensor_model_parallel_rank() -> int:
+    groups = _tp_groups()
+    return groups.get_tensor_model_parallel_rank() if groups else 0
+
+
+def get_data_parallel_group():
+    """None means all ranks (no tensor parallelism: every rank is a data-parallel rank)."""
+    groups = _tp_groups()
+    return groups.get_data_parallel_group() if groups else None
+
+
+def get_data_parallel_world_size() -> int:
+    groups = _tp_groups()
+    return groups.get_data_parallel_world_size() if groups else get_world_size()
+
+
+def get_data_parallel_rank() -> int:
+    groups = _tp_groups()
+    return groups.get_data_parallel_rank() if groups else get_global_rank()
+
+
+# metaseq's names for the same queries.
+get_model_parallel_group = get_tensor_model_parallel_group
+get_model_parallel_world_size = get_tensor_model_parallel_world_size
+get_model_parallel_rank = get_tensor_model_parallel_rank
 
 
 def is_master() -> bool:
@@ -64,10 +114,10 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_reduce_sum(values: List[float]) -> List[float]:
-    """Sum a few scalars over all ranks (float64, so token counts stay exact)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+def all_reduce_sum(values: List[float], group=None) -> List[float]:
+    """Sum a few scalars over `group` (default: all ranks), in float64 so token counts stay exact."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return list(values)
     tensor = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(tensor)
+    dist.all_reduce(tensor, group=group)
     return tensor.tolist()

@@ -63,7 +63,11 @@ class StreamingLanguageModelingConfig(MetaseqDataclass):
     )
     tokens_per_sample: int = field(default=1024, metadata={"help": "sequence length: tokens the model sees per sample"})
     final_vocab_size: Optional[int] = field(
-        default=None, metadata={"help": "pad the dictionary to this size (default: to a multiple of 8)"}
+        default=None, metadata={"help": "pad the dictionary to this size (default: to a multiple of --padding-factor)"}
+    )
+    padding_factor: int = field(
+        default=8,
+        metadata={"help": "pad the dictionary to a multiple of this; --model-parallel-size N makes it 8*N, as metaseq did"},
     )
     seed: int = field(default=1, metadata={"help": "same as --seed: the data order depends on it"})
     batch_size: int = field(default=8, metadata={"help": "same as --batch-size"})
@@ -82,20 +86,20 @@ class StreamingLanguageModelingTask(LegacyTask):
         self.eod = self.tokenizer.token_to_id(args.end_of_document_symbol)
         if self.eod is None:
             raise UsageError(f"--end-of-document-symbol {args.end_of_document_symbol!r} is not in the tokenizer's vocabulary")
-        self.dictionary = self._build_dictionary(args.final_vocab_size)
+        self.dictionary = self._build_dictionary(args.final_vocab_size, args.padding_factor)
         if args.data:
             self.data_dir = check_data_dir(Path(args.data))
         else:
             self.data_dir = build_demo_corpus()
             logger.info("no DATA given: training on the demo corpus at %s", self.data_dir)
 
-    def _build_dictionary(self, final_vocab_size: Optional[int]) -> Dictionary:
+    def _build_dictionary(self, final_vocab_size: Optional[int], padding_factor: int) -> Dictionary:
         """The tokenizer's ids as a Dictionary, padded like metaseq's (50265 -> 50272 for GPT-2)."""
         size = self.tokenizer.vocab_size
         # A hole in a tokenizer's ids must still take its place, or every later id would shift.
         dictionary = Dictionary(self.tokenizer.id_to_token(i) or f"<unused{i}>" for i in range(Dictionary().nspecial, size))
         if final_vocab_size is None:
-            dictionary.pad_to_multiple_(8)
+            dictionary.pad_to_multiple_(padding_factor)
         elif final_vocab_size < size:
             raise UsageError(f"--final-vocab-size {final_vocab_size} is smaller than the tokenizer's vocabulary ({size})")
         else:

@@ -1,0 +1,50 @@
+"""`vocab_parallel_cross_entropy`: cross entropy on vocabulary-sharded logits, never gathered.
+
+metaseq's criterion for model-parallel runs. Under tensor parallelism the output projection
+gives each rank the logits of its slice of the vocabulary, (B, T, V/N); DeepSpeed's
+`vocab_parallel_cross_entropy` all-reduces the row maximum, the sum of exponentials and the
+target's logit over the tensor-parallel group, so the (B, T, V) logits never exist on one
+rank. Without tensor parallelism it is the plain cross entropy.
+"""
+
+from dataclasses import dataclass
+
+from metaseq_ds.criterions import register_criterion
+from metaseq_ds.criterions.cross_entropy import CrossEntropyCriterion
+from metaseq_ds.dataclass import MetaseqDataclass
+
+
+@dataclass
+class VocabParallelCrossEntropyCriterionConfig(MetaseqDataclass):
+    """vocab_parallel_cross_entropy has no options."""
+
+
+@register_criterion("vocab_parallel_cross_entropy", dataclass=VocabParallelCrossEntropyCriterionConfig)
+class VocabParallelCrossEntropyCriterion(CrossEntropyCriterion):
+    def forward(self, model, sample, reduce: bool = True):
+        from deepspeed.sequence import vocab_parallel_cross_entropy
+
+        from metaseq_ds.distributed import utils as dist_utils
+
+        logits = model(**sample["net_input"])[0]  # (B, T, V/N): this rank's vocabulary slice
+        shard = logits.size(-1)
+        start = dist_utils.get_tensor_model_parallel_rank() * shard
+        # The loss is computed in fp32 inside (bf16 logits are upcast one shard at a time).
+        token_losses = vocab_parallel_cross_entropy(
+            logits,
+            sample["target"],
+            tp_group=dist_utils.get_tensor_model_parallel_group(),
+            vocab_start_index=start,
+            vocab_end_index=start + shard,
+            global_vocab_size=shard * dist_utils.get_tensor_model_parallel_world_size(),
+            ignore_index=self.padding_idx,
+            reduction="none",
+        ).view(-1)
+        loss = token_losses.sum() if reduce else token_losses
+        logging_output = {
+            "loss": token_losses.detach().double().sum(),  # fp64, as cross_entropy's
+            "ntokens": sample["ntokens"],
+            "nsentences": sample["target"].size(0),
+            "sample_size": sample["ntokens"],
+        }
+        return loss, sample["ntokens"], logging_output
