@@ -127,3 +127,16 @@ def test_a_user_decoder_with_its_own_cache_plugs_into_the_generator(beam_size):
             assert max(decoder.calls) == len(prompts) * beam_size  # beams were expanded by reordering
     assert outputs[0] == outputs[1]
     assert any(len(set(tokens)) > 1 for row in outputs[0] for tokens in row)
+
+
+def test_inference_output_projection_follows_weight_updates():
+    _, ours, _, _ = build_pair("pre_ln_relu_tied")
+    decoder = ours.decoder
+    features = torch.randn(2, 3, decoder.output_projection.weight.size(1))
+    with torch.no_grad():
+        first = decoder.output_layer(features)  # through the cached transposed copy
+        torch.testing.assert_close(first, decoder.output_projection(features), rtol=1e-6, atol=1e-6)
+        decoder.output_projection.weight.add_(0.5)  # what an optimizer step or a load does
+        torch.testing.assert_close(decoder.output_layer(features), decoder.output_projection(features),
+                                   rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(first, decoder.output_layer(features))

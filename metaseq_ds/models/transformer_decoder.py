@@ -258,7 +258,23 @@ class TransformerDecoder(BaseDecoder):
         return causal & (~is_pad[:, None, None, :] | itself)  # (B, 1, T, S)
 
     def output_layer(self, features: torch.Tensor, **kwargs) -> torch.Tensor:
-        return self.output_projection(features)  # (B, T, V)
+        """(B, T, C) -> (B, T, V) logits."""
+        if self.training or torch.is_grad_enabled() or features.device.type != "cpu" \
+                or type(self.output_projection) is not nn.Linear:
+            return self.output_projection(features)
+        # CPU inference: x @ W^T is computed through a (C, V) copy of W. For the few rows of a
+        # decoding step this CPU's matrix-vector product is ~2x faster with the vocabulary as
+        # the contiguous dimension, and this projection is most of a small model's step time.
+        return features @ self._output_weight_transposed()
+
+    def _output_weight_transposed(self) -> torch.Tensor:
+        """W^T, contiguous; recomputed whenever the weight changes (a training step, a load)."""
+        weight = self.output_projection.weight
+        key = (weight.data_ptr(), weight._version, weight.dtype)
+        cached = getattr(self, "_transposed_output_weight", None)
+        if cached is None or cached[0] != key:
+            cached = self._transposed_output_weight = (key, weight.detach().t().contiguous())
+        return cached[1]
 
     def max_positions(self) -> int:
         return self.max_target_positions
