@@ -101,6 +101,12 @@ CASES = {
         "x   =  [ 1,2 ]  # odd spacing\nfrom fairseq.models import FairseqDecoder\ny =(FairseqDecoder ,x)\n",
         "x   =  [ 1,2 ]  # odd spacing\nfrom metaseq_ds.models import BaseDecoder\ny =(BaseDecoder ,x)\n",
     ),
+    "metaseq_model_parallel_names_resolve": (
+        "from metaseq.model_parallel.models.transformer_lm import ModelParallelTransformerLanguageModel\n"
+        "from metaseq.distributed.utils import get_model_parallel_rank\n",
+        "from metaseq_ds.model_parallel.models.transformer_lm import ModelParallelTransformerLanguageModel\n"
+        "from metaseq_ds.distributed.utils import get_model_parallel_rank\n",
+    ),
     "names_from_one_import_split_by_target_module": (
         "from fairseq.optim import FairseqOptimizer, FairseqAdam\n",
         "from metaseq_ds.optim import BaseOptimizer\nfrom metaseq_ds.optim.adam import MetaseqAdam\n",
