@@ -17,6 +17,7 @@ from metaseq_ds.criterions import (
 )
 from metaseq_ds.dataclass import MetaseqDataclass
 from metaseq_ds.logging import metrics
+from metaseq_ds.modules import cross_entropy as cross_entropy_module
 
 PAD, VOCAB = 1, 11
 
@@ -88,6 +89,34 @@ def test_cross_entropy_upcasts_low_precision_logits():
     assert loss.dtype == torch.float32
     reference = manual_nll(bf16_model, sample)  # manual_nll also takes log_softmax in fp32
     torch.testing.assert_close(loss, reference)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cross_entropy_gradient_matches_torch(dtype, monkeypatch):
+    """Blockwise softmax with the gradient written over the logits: same losses and parameter
+    gradients as F.cross_entropy on fp32 logits, across block boundaries and with pads."""
+    monkeypatch.setattr(cross_entropy_module, "BLOCK_ELEMENTS", 3 * VOCAB)  # 3 rows a block: 4 blocks
+    sample = make_sample()
+    ours, reference = TinyLM().to(dtype), TinyLM().to(dtype)
+    criterion = build_criterion(CrossEntropyCriterionConfig(), Task())
+    loss, _, _ = criterion(ours, sample)
+    (loss * 0.37).backward()  # a scale, as the trainer applies
+    expected = manual_nll(reference, sample)
+    (expected * 0.37).backward()
+    tolerance = {} if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(loss, expected)
+    for mine, theirs in zip(ours.parameters(), reference.parameters()):
+        torch.testing.assert_close(mine.grad, theirs.grad, **tolerance)
+
+
+def test_cross_entropy_without_gradient_leaves_the_logits_alone():
+    logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(3))
+    target = torch.tensor([2, 5, PAD, 7, 0, 10])
+    before = logits.clone()
+    with torch.no_grad():
+        losses = cross_entropy_module.cross_entropy(logits, target, ignore_index=PAD)
+    assert torch.equal(logits, before)
+    torch.testing.assert_close(losses, F.cross_entropy(logits, target, ignore_index=PAD, reduction="none"))
 
 
 def test_reduce_metrics_reports_base_2_loss_and_ppl():

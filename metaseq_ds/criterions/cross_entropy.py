@@ -3,11 +3,10 @@
 import math
 from dataclasses import dataclass
 
-import torch.nn.functional as F
-
 from metaseq_ds.criterions import BaseCriterion, register_criterion
 from metaseq_ds.dataclass import MetaseqDataclass
 from metaseq_ds.logging import metrics
+from metaseq_ds.modules.cross_entropy import cross_entropy
 
 
 @dataclass
@@ -18,14 +17,11 @@ class CrossEntropyCriterionConfig(MetaseqDataclass):
 @register_criterion("cross_entropy", dataclass=CrossEntropyCriterionConfig)
 class CrossEntropyCriterion(BaseCriterion):
     def forward(self, model, sample, reduce: bool = True):
-        net_output = model(**sample["net_input"])
-        # Logits in fp32: bf16/fp16 log-softmax over a 50k vocabulary loses too much precision.
-        logits = net_output[0].float()
-        token_losses = F.cross_entropy(
-            logits.view(-1, logits.size(-1)),
-            sample["target"].view(-1),
-            ignore_index=self.padding_idx,
-            reduction="none",
+        logits = model(**sample["net_input"])[0]  # (B, T, V)
+        # The softmax is taken in fp32 (bf16/fp16 over a 50k vocabulary loses too much precision),
+        # block by block; the logits are overwritten by their gradient (see modules/cross_entropy.py).
+        token_losses = cross_entropy(
+            logits.view(-1, logits.size(-1)), sample["target"].view(-1), ignore_index=self.padding_idx
         )
         loss = token_losses.sum() if reduce else token_losses
         sample_size = sample["ntokens"]
