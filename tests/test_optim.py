@@ -57,11 +57,12 @@ def reference_adamw(p, grads, lrs, betas, eps, weight_decay):
     return p
 
 
+@pytest.mark.parametrize("impl", ["torch", "torch_fused"])
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
-def test_adam_matches_adamw_formula(weight_decay):
+def test_adam_matches_adamw_formula(weight_decay, impl):
     start = torch.randn(3, 2, generator=torch.Generator().manual_seed(1))
     param = torch.nn.Parameter(start.clone())
-    optimizer = build_optimizer(adam_cfg(weight_decay=weight_decay), [param])
+    optimizer = build_optimizer(adam_cfg(weight_decay=weight_decay, adam_impl=impl), [param])
     lrs = [1e-2, 1e-2, 5e-3, 2e-2]  # the schedule changes the lr between steps
     grads = fixed_grads((3, 2))
     run(optimizer, param, grads, lrs)
@@ -79,7 +80,8 @@ def test_adam_weight_decay_is_decoupled():
 
 def test_adam_implementation_on_cpu():
     param = torch.nn.Parameter(torch.zeros(2))
-    assert build_optimizer(adam_cfg(), [param]).implementation == "torch"  # auto without CUDA
+    assert build_optimizer(adam_cfg(), [param]).implementation == "torch_fused"  # auto without CUDA
+    assert build_optimizer(adam_cfg(), [param]).optimizer.defaults["fused"]
     assert build_optimizer(adam_cfg(adam_impl="fused", use_old_adam=True), [param]).implementation == "torch"
     assert build_optimizer(adam_cfg(), [param]).optimizer_config == {
         "lr": 1e-2,

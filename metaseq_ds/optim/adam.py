@@ -1,8 +1,10 @@
 """`adam`: Adam with decoupled weight decay (AdamW), as metaseq's MetaseqAdam.
 
-Three implementations of the same update, chosen by `--adam-impl`: DeepSpeed's FusedAdam
-(CUDA), DeepSpeed's CPUAdam (required by ZeRO CPU offload) and torch's AdamW. DeepSpeed is
-imported only when one of its kernels is chosen, since loading its ops is slow.
+Four implementations of the same update, chosen by `--adam-impl`: DeepSpeed's FusedAdam
+(CUDA), DeepSpeed's CPUAdam (the fast one under ZeRO CPU offload), torch's AdamW with its
+fused kernel (one pass over each tensor; the CPU default: ~5x faster than the for-loop AdamW
+and nothing to compile) and torch's plain for-loop AdamW. DeepSpeed is imported only when one
+of its kernels is chosen, since loading its ops is slow.
 """
 
 import logging
@@ -22,11 +24,12 @@ class MetaseqAdamConfig(MetaseqDataclass):
     adam_betas: Tuple[float, float] = field(default=(0.9, 0.999), metadata={"help": "betas for Adam optimizer"})
     adam_eps: float = field(default=1e-8, metadata={"help": "epsilon for Adam optimizer"})
     weight_decay: float = field(default=0.0, metadata={"help": "weight decay, decoupled from the gradient (AdamW)"})
-    adam_impl: Literal["auto", "torch", "fused", "cpu_adam"] = field(
+    adam_impl: Literal["auto", "torch", "torch_fused", "fused", "cpu_adam"] = field(
         default="auto",
         metadata={
-            "help": "auto: DeepSpeed FusedAdam when CUDA is available, else torch AdamW; "
-            "cpu_adam: DeepSpeed CPUAdam, needed with --cpu-offload (compiled on first use)"
+            "help": "auto: DeepSpeed FusedAdam when CUDA is available, else torch_fused (torch AdamW's fused "
+            "kernel); torch: torch AdamW's for-loop; cpu_adam: DeepSpeed CPUAdam, for --cpu-offload "
+            "(compiled on first use)"
         },
     )
     use_old_adam: bool = field(
@@ -58,7 +61,7 @@ class MetaseqAdam(BaseOptimizer):
 
             self._optimizer = DeepSpeedCPUAdam(params, adamw_mode=True, **self.optimizer_config)
         else:
-            self._optimizer = torch.optim.AdamW(params, **self.optimizer_config)
+            self._optimizer = torch.optim.AdamW(params, fused=impl == "torch_fused", **self.optimizer_config)
 
     @property
     def implementation(self) -> str:
@@ -66,7 +69,7 @@ class MetaseqAdam(BaseOptimizer):
         if self.cfg.use_old_adam:
             return "torch"
         if self.cfg.adam_impl == "auto":
-            return "fused" if torch.cuda.is_available() else "torch"
+            return "fused" if torch.cuda.is_available() else "torch_fused"
         return self.cfg.adam_impl
 
     @property
