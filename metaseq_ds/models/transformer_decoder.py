@@ -4,8 +4,8 @@ Numerics follow Hugging Face `OPTForCausalLM` (the reference the parity tests co
 and module names follow its checkpoints (`self_attn.{q,k,v,out}_proj`, `fc1`, `fc2`,
 `self_attn_layer_norm`, `final_layer_norm`, `embed_positions`, `project_in/out`), so the key
 map to HF is a prefix. Everything is a plain single-device module: tensor parallelism and
-activation checkpointing are applied from outside by swapping or wrapping the `nn.Linear`
-and layer submodules.
+activation checkpointing are applied from outside by swapping or wrapping the linear layers
+(`modules.Linear`: an `nn.Linear` whose fp32 CPU products run on oneDNN) and layer submodules.
 
 Generation: with an `incremental_state` dict each attention layer keeps its keys and values
 (the KV cache), so a step runs only the new token and costs O(length) instead of a re-run
@@ -21,7 +21,7 @@ from torch import nn
 
 from metaseq_ds.incremental_decoding_utils import with_incremental_state
 from metaseq_ds.models.base import BaseDecoder
-from metaseq_ds.modules import Dropout, LearnedPositionalEmbedding, SinusoidalPositionalEmbedding
+from metaseq_ds.modules import Dropout, LearnedPositionalEmbedding, Linear, SinusoidalPositionalEmbedding
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}  # exact gelu, as fairseq's "gelu" and HF's
 
@@ -30,7 +30,7 @@ def uses_inference_copies(x: torch.Tensor, *linears: nn.Module) -> bool:
     """Whether `linears` may run through `transposed_weights`: CPU inference on plain nn.Linear
     layers (not training, no autograd, not swapped for a tensor-parallel layer)."""
     return (not torch.is_grad_enabled() and x.device.type == "cpu"
-            and all(type(linear) is nn.Linear and not linear.training for linear in linears))
+            and all(isinstance(linear, nn.Linear) and not linear.training for linear in linears))
 
 
 def transposed_weights(owner: nn.Module, *linears: nn.Linear) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -65,10 +65,10 @@ class SelfAttention(nn.Module):
             raise ValueError(f"decoder_embed_dim {embed_dim} is not divisible by decoder_attention_heads {num_heads}")
         self.num_heads = num_heads
         self.attention_dropout = attention_dropout
-        self.q_proj = nn.Linear(embed_dim, embed_dim)
-        self.k_proj = nn.Linear(embed_dim, embed_dim)
-        self.v_proj = nn.Linear(embed_dim, embed_dim)
-        self.out_proj = nn.Linear(embed_dim, embed_dim)
+        self.q_proj = Linear(embed_dim, embed_dim)
+        self.k_proj = Linear(embed_dim, embed_dim)
+        self.v_proj = Linear(embed_dim, embed_dim)
+        self.out_proj = Linear(embed_dim, embed_dim)
 
     def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor], incremental_state=None) -> torch.Tensor:
         """`attn_mask` None means plain causal attention: the decoder passes an explicit mask
@@ -123,8 +123,8 @@ class TransformerDecoderLayer(nn.Module):
         self.normalize_before = cfg.decoder_normalize_before
         self.self_attn = SelfAttention(d, cfg.decoder_attention_heads, cfg.attention_dropout)
         self.self_attn_layer_norm = nn.LayerNorm(d)
-        self.fc1 = nn.Linear(d, cfg.decoder_ffn_embed_dim)
-        self.fc2 = nn.Linear(cfg.decoder_ffn_embed_dim, d)
+        self.fc1 = Linear(d, cfg.decoder_ffn_embed_dim)
+        self.fc2 = Linear(cfg.decoder_ffn_embed_dim, d)
         self.activation = ACTIVATIONS[cfg.activation_fn]
         self.activation_dropout = Dropout(cfg.activation_dropout, module_name="activation_dropout")
         self.final_layer_norm = nn.LayerNorm(d)
@@ -168,7 +168,7 @@ class TransformerDecoder(BaseDecoder):
         self.init_std = cfg.init_std
 
         self.embed_tokens = nn.Embedding(len(dictionary), input_dim, self.padding_idx)
-        self.project_in = nn.Linear(input_dim, d, bias=False) if input_dim != d else None
+        self.project_in = Linear(input_dim, d, bias=False) if input_dim != d else None
         if cfg.no_token_positional_embeddings:
             self.embed_positions = None
         elif cfg.decoder_learned_pos:
@@ -180,8 +180,8 @@ class TransformerDecoder(BaseDecoder):
         # Post-LN layers already end in a LayerNorm; pre-LN ones need one after the last layer.
         has_final_norm = cfg.decoder_normalize_before and not cfg.no_decoder_final_norm
         self.final_layer_norm = nn.LayerNorm(d) if has_final_norm else None
-        self.project_out = nn.Linear(d, input_dim, bias=False) if input_dim != d else None
-        self.output_projection = nn.Linear(input_dim, len(dictionary), bias=False)
+        self.project_out = Linear(d, input_dim, bias=False) if input_dim != d else None
+        self.output_projection = Linear(input_dim, len(dictionary), bias=False)
         if cfg.share_decoder_input_output_embed:
             self.output_projection.weight = self.embed_tokens.weight
 
