@@ -27,6 +27,7 @@ from metaseq_ds.distributed.safe_checkpoint_loading import use_weights_only_load
 from metaseq_ds.logging import metrics
 from metaseq_ds.optim import build_optimizer
 from metaseq_ds.optim.lr_scheduler import build_lr_scheduler
+from metaseq_ds.optim.zero3_master_weights import share_fp32_master_weights
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class Trainer:
             model=model, optimizer=self.optimizer.optimizer, config=self.ds_config, mpu=mpu
         )
         use_weights_only_loading(self.engine)
+        share_fp32_master_weights(self.engine)  # ZeRO-3 in fp32: no second copy of the parameters
         self.model = self.engine  # criterion(model, sample) runs the engine's forward
         self.lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self.optimizer)
         self.num_updates = 0
