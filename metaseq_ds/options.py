@@ -19,7 +19,7 @@ import sys
 import typing
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Optional, Sequence, Tuple
 
 from metaseq_ds.dataclass import COMPONENT_SECTIONS, FIXED_SECTIONS, MetaseqConfig, validate_config
 from metaseq_ds.errors import UsageError

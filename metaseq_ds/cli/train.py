@@ -48,7 +48,7 @@ def _fail(error: UsageError) -> None:
 def main(cfg) -> None:
     import torch
 
-    from metaseq_ds import checkpoint_utils, tasks
+    from metaseq_ds import tasks
     from metaseq_ds.distributed import utils as dist_utils
     from metaseq_ds.distributed.parallelize import parallelize
     from metaseq_ds.distributed.tensor_parallel import check_world, tensor_parallel_size

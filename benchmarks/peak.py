@@ -1,0 +1,90 @@
+"""What this machine can do: sustained matmul GFLOP/s (fp32, bf16) and memory copy bandwidth.
+
+    python -m benchmarks.peak [--seconds 2] [--threads N]
+
+These are the denominators of the training benchmark's MFU (model FLOPs / s over the matmul
+peak of the same dtype). Each figure is the median of repeated timings over about `--seconds`,
+with torch's default threads (all cores) unless `--threads`; matmuls are square. Both of
+PyTorch's CPU matmul libraries are timed: `torch.mm` (MKL for fp32, oneDNN for bf16) and
+oneDNN directly (`torch.ops.mkldnn._linear_pointwise`, what `metaseq_ds.modules.Linear` uses
+for fp32). The peak is the best of all: what the hardware sustains on the most favourable
+shape and library.
+"""
+
+import argparse
+import statistics
+import time
+from typing import Callable, Dict
+
+import torch
+
+SIZES = (1024, 2048, 4096)
+
+
+def median_seconds(fn: Callable[[], object], seconds: float) -> float:
+    fn()  # warm-up: allocation, kernel choice, caches
+    times = []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(times) < 3:
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def matmul_gflops(size: int, dtype: torch.dtype, library: str, seconds: float) -> float:
+    a = torch.randn(size, size).to(dtype)
+    b = torch.randn(size, size).to(dtype)
+    out = torch.empty(size, size, dtype=dtype)
+
+    def product():
+        if library == "torch.mm":
+            return torch.mm(a, b, out=out)
+        return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")  # a @ b.T
+
+    return 2 * size**3 / median_seconds(product, seconds) / 1e9
+
+
+def copy_gbytes_per_s(seconds: float, megabytes: int = 256) -> float:
+    """Read + write bytes per second of a large tensor copy (far beyond the caches)."""
+    src = torch.randn(megabytes * 2**20 // 4)
+    dst = torch.empty_like(src)
+    return 2 * src.nbytes / median_seconds(lambda: dst.copy_(src), seconds) / 1e9
+
+
+def libraries():
+    return ("torch.mm", "oneDNN") if torch.backends.mkldnn.is_available() else ("torch.mm",)
+
+
+def measure(seconds: float) -> Dict[str, object]:
+    """{("fp32", library): {size: GFLOP/s}, ..., "peak_fp32", "peak_bf16", "copy_GBps"}."""
+    result: Dict[str, object] = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        for library in libraries():
+            result[name, library] = {size: matmul_gflops(size, dtype, library, seconds) for size in SIZES}
+        result[f"peak_{name}"] = max(max(result[name, library].values()) for library in libraries())
+    result["copy_GBps"] = copy_gbytes_per_s(seconds)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=2.0, help="timing per measurement")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    result = measure(args.seconds)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"{'matmul n x n @ n x n':<26}" + "".join(f"{f'n={n}':>10}" for n in SIZES))
+    for name in ("fp32", "bf16"):
+        for library in libraries():
+            label = f"{name} {library} GFLOP/s"
+            print(f"{label:<26}" + "".join(f"{result[name, library][n]:>10.1f}" for n in SIZES))
+    print(f"{'copy GB/s (rd + wr)':<26}{result['copy_GBps']:>10.1f}")
+    print(f"summary: peak matmul fp32 {result['peak_fp32']:.1f} GFLOP/s, bf16 {result['peak_bf16']:.1f} GFLOP/s "
+          f"({result['peak_bf16'] / result['peak_fp32']:.1f}x), copy {result['copy_GBps']:.1f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
