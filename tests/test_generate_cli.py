@@ -7,7 +7,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from launch import TINY, env, run, write_corpus
+from launch import TINY, env, remove_shm_buffers, run, write_corpus
 from metaseq_ds.cli.main import app
 
 
@@ -84,7 +84,10 @@ def test_under_the_deepspeed_launcher_the_model_is_sharded_and_gives_the_same_co
         assert single.exit_code == 0, single.output
         command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", "29741",
                    "--module", "metaseq_ds.cli.generate", *args, *mode]
-        sharded = subprocess.run(command, capture_output=True, text=True, env=env(), timeout=300)
+        try:
+            sharded = subprocess.run(command, capture_output=True, text=True, env=env(), timeout=300)
+        finally:
+            remove_shm_buffers(29741)
         records = [json.loads(line) for line in sharded.stdout.splitlines() if line.startswith('{"prompt"')]
         expected = [json.loads(line) for line in single.stdout.splitlines()]
         assert len(records) == 2, sharded.stdout[-2000:] + sharded.stderr[-2000:]
