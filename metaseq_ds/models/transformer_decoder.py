@@ -22,14 +22,16 @@ from torch import nn
 from metaseq_ds.incremental_decoding_utils import with_incremental_state
 from metaseq_ds.models.base import BaseDecoder
 from metaseq_ds.modules import Dropout, LearnedPositionalEmbedding, Linear, SinusoidalPositionalEmbedding
+from metaseq_ds.modules.linear import ONEDNN_MIN_ROWS
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}  # exact gelu, as fairseq's "gelu" and HF's
 
 
 def uses_inference_copies(x: torch.Tensor, *linears: nn.Module) -> bool:
-    """Whether `linears` may run through `transposed_weights`: CPU inference on plain nn.Linear
-    layers (not training, no autograd, not swapped for a tensor-parallel layer)."""
-    return (not torch.is_grad_enabled() and x.device.type == "cpu"
+    """Whether `linears` may run through `transposed_weights`: a decoding step on the CPU (no
+    autograd, fewer rows than `Linear` sends to oneDNN) through nn.Linear layers in eval mode
+    (not swapped for a tensor-parallel layer). Prompts and validation keep `Linear`."""
+    return (not torch.is_grad_enabled() and x.device.type == "cpu" and x.numel() < ONEDNN_MIN_ROWS * x.size(-1)
             and all(isinstance(linear, nn.Linear) and not linear.training for linear in linears))
 
 
@@ -39,6 +41,7 @@ def transposed_weights(owner: nn.Module, *linears: nn.Linear) -> Tuple[torch.Ten
 
     For the few rows of a decoding step this CPU's matrix-vector product is ~2x faster with
     the output features as the contiguous dimension, and one product replaces several.
+    The cost: CPU generation holds a second copy of the q/k/v and output projection weights.
     """
     key = tuple((p.data_ptr(), p._version) for linear in linears for p in (linear.weight, linear.bias) if p is not None)
     cached = owner.__dict__.get("_transposed_weights")
