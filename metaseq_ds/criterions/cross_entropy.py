@@ -18,11 +18,7 @@ class CrossEntropyCriterionConfig(MetaseqDataclass):
 class CrossEntropyCriterion(BaseCriterion):
     def forward(self, model, sample, reduce: bool = True):
         logits = model(**sample["net_input"])[0]  # (B, T, V)
-        # The softmax is taken in fp32 (bf16/fp16 over a 50k vocabulary loses too much precision),
-        # block by block; the logits are overwritten by their gradient (see modules/cross_entropy.py).
-        token_losses = cross_entropy(
-            logits.view(-1, logits.size(-1)), sample["target"].view(-1), ignore_index=self.padding_idx
-        )
+        token_losses = self.token_losses(logits, sample["target"])
         loss = token_losses.sum() if reduce else token_losses
         sample_size = sample["ntokens"]
         logging_output = {
@@ -34,6 +30,12 @@ class CrossEntropyCriterion(BaseCriterion):
             "sample_size": sample_size,
         }
         return loss, sample_size, logging_output
+
+    def token_losses(self, logits, target):
+        """(N,) fp32 losses of the (B, T, V) logits against (B, T) targets; 0 at pads."""
+        # The softmax is taken in fp32 (bf16/fp16 over a 50k vocabulary loses too much precision),
+        # block by block; the logits are overwritten by their gradient (see modules/cross_entropy.py).
+        return cross_entropy(logits.view(-1, logits.size(-1)), target.view(-1), ignore_index=self.padding_idx)
 
     @staticmethod
     def reduce_metrics(logging_outputs) -> None:

@@ -21,18 +21,18 @@ class VocabParallelCrossEntropyCriterionConfig(MetaseqDataclass):
 
 @register_criterion("vocab_parallel_cross_entropy", dataclass=VocabParallelCrossEntropyCriterionConfig)
 class VocabParallelCrossEntropyCriterion(CrossEntropyCriterion):
-    def forward(self, model, sample, reduce: bool = True):
+    def token_losses(self, logits, target):
+        """`logits` are (B, T, V/N): this rank's slice of the vocabulary."""
         from deepspeed.sequence import vocab_parallel_cross_entropy
 
         from metaseq_ds.distributed import utils as dist_utils
 
-        logits = model(**sample["net_input"])[0]  # (B, T, V/N): this rank's vocabulary slice
         shard = logits.size(-1)
         start = dist_utils.get_tensor_model_parallel_rank() * shard
         # The loss is computed in fp32 inside (bf16 logits are upcast one shard at a time).
-        token_losses = vocab_parallel_cross_entropy(
+        return vocab_parallel_cross_entropy(
             logits,
-            sample["target"],
+            target,
             tp_group=dist_utils.get_tensor_model_parallel_group(),
             vocab_start_index=start,
             vocab_end_index=start + shard,
@@ -40,11 +40,3 @@ class VocabParallelCrossEntropyCriterion(CrossEntropyCriterion):
             ignore_index=self.padding_idx,
             reduction="none",
         ).view(-1)
-        loss = token_losses.sum() if reduce else token_losses
-        logging_output = {
-            "loss": token_losses.detach().double().sum(),  # fp64, as cross_entropy's
-            "ntokens": sample["ntokens"],
-            "nsentences": sample["target"].size(0),
-            "sample_size": sample["ntokens"],
-        }
-        return loss, sample["ntokens"], logging_output
