@@ -228,7 +228,6 @@ def _save(cfg, trainer, epoch_itr) -> None:
         checkpoint_utils.write_meta(ref, {
             "config": cfg.to_dict(), "num_updates": trainer.num_updates, "epoch": epoch_itr.epoch,
             "world_size": trainer.world_size, "zero_stage": trainer.zero_stage,
-            "vocab_size": len(trainer.task.dictionary),
             **checkpoint_utils.tensor_parallel_meta(trainer.engine.module, trainer.world_size // trainer.data_parallel_size),
         })
         checkpoint_utils.mark_last(ref)
