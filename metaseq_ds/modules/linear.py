@@ -17,7 +17,7 @@ from torch import nn
 ONEDNN_MIN_ROWS = 32  # measured: from 32 rows oneDNN is faster; below (decoding), MKL's GEMV is as fast
 
 
-def _onednn_product(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+def onednn_product(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     """x @ weight.T (+ bias) on oneDNN; either operand may be a transposed (strided) view."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
@@ -27,38 +27,42 @@ class _OneDNNLinear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return _onednn_product(x, weight, bias)  # (N, out)
+        return onednn_product(x, weight, bias)  # (N, out)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors  # (N, in), (out, in)
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = _onednn_product(grad, weight.t())  # (N, out) @ (out, in)
+            grad_x = onednn_product(grad, weight.t())  # (N, out) @ (out, in)
         if ctx.needs_input_grad[1]:
             if weight.size(0) >= x.size(0):
                 # Wide outputs (the vocabulary projection): (x^T grad)^T keeps the big gradient
                 # in the layout oneDNN reads without reordering it.
-                grad_weight = _onednn_product(x.t(), grad.t()).t().contiguous()
+                grad_weight = onednn_product(x.t(), grad.t()).t().contiguous()
             else:
-                grad_weight = _onednn_product(grad.t(), x.t())  # (out, N) @ (N, in)
+                grad_weight = onednn_product(grad.t(), x.t())  # (out, N) @ (N, in)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad.sum(0)
         return grad_x, grad_weight, grad_bias
 
 
-def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    # Not under torch.compile (inductor cannot lower this oneDNN op in PyTorch 2.13), nor under
-    # autocast, which would then no longer choose the product's dtype.
+def onednn_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `onednn_product(x, weight)` may run: fp32 CPU tensors, oneDNN on. Not under
+    torch.compile (inductor cannot lower this oneDNN op in PyTorch 2.13), nor under autocast,
+    which would then no longer choose the product's dtype."""
     return (
         not torch.compiler.is_compiling()
         and not torch.is_autocast_enabled("cpu")
         and x.device.type == "cpu"
         and x.dtype == weight.dtype == torch.float32
-        and x.numel() >= ONEDNN_MIN_ROWS * x.size(-1)
         and torch.backends.mkldnn.is_available()
         and torch.backends.mkldnn.enabled
     )
+
+
+def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return x.numel() >= ONEDNN_MIN_ROWS * x.size(-1) and onednn_runs(x, weight)
 
 
 class Linear(nn.Linear):

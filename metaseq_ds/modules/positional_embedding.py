@@ -26,8 +26,9 @@ class LearnedPositionalEmbedding(nn.Embedding):
         super().__init__(max_positions + padding_idx + 1, embedding_dim, padding_idx)
         self.max_positions = max_positions
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return super().forward(make_positions(tokens, self.padding_idx))
+    def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """(B, T - start, C): the embeddings of tokens[:, start:] (positions count the whole row)."""
+        return super().forward(make_positions(tokens, self.padding_idx)[:, start:])
 
 
 class SinusoidalPositionalEmbedding(nn.Module):
@@ -56,5 +57,6 @@ class SinusoidalPositionalEmbedding(nn.Module):
         table[padding_idx, :] = 0
         return table
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return F.embedding(make_positions(tokens, self.padding_idx), self.weights)
+    def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """(B, T - start, C): the embeddings of tokens[:, start:] (positions count the whole row)."""
+        return F.embedding(make_positions(tokens, self.padding_idx)[:, start:], self.weights)
