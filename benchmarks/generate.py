@@ -42,6 +42,9 @@ def build(layers: int, dim: int, heads: int):
     ours = TransformerLanguageModel.build_model(cfg, Task()).eval()
     hf = OPTForCausalLM(to_hf_config(cfg, vocab_size=len(Task.dictionary))).eval()
     hf.load_state_dict(state_dict_to_hf(ours.state_dict(), layers))
+    # What GeneratorInterface (and so `mseq generate`) does to the model it loads, as fairseq's
+    # hub did: same weights, laid out for decoding.
+    ours.make_generation_fast_()
     return ours, hf
 
 

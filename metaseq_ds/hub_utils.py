@@ -56,7 +56,9 @@ class GeneratorInterface:
                 from metaseq_ds.distributed.tensor_parallel import apply_tensor_parallel, check_divisible
 
                 check_divisible(cfg.model, ranks, source="the number of ranks,")
-                apply_tensor_parallel(self.model, gather_logits=True).eval()
+                apply_tensor_parallel(self.model, gather_logits=True)
+            # Loaded here for generation only: inference mode and the decoding weight layout.
+            self.model.make_generation_fast_()
             logger.info("loaded %s", ref.path)
         return [self.model]
 

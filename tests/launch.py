@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -43,9 +44,17 @@ def remove_shm_buffers(port: int) -> None:
         leftover.unlink(missing_ok=True)
 
 
+def free_port() -> int:
+    """A port no one listens on now, for a launch's rendezvous: a fixed one would make two test
+    runs on one machine (or a launch left behind) collide."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def run(args: List[str], launcher: Optional[str] = None, cwd: Optional[Path] = None, timeout: int = 300,
         check: bool = True, ranks: int = 2) -> subprocess.CompletedProcess:
-    port = random.randint(20000, 40000)
+    port = free_port()
     if launcher == "deepspeed":
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port",
                str(port), "--module", "metaseq_ds.cli.train", *args]

@@ -7,7 +7,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from launch import TINY, env, remove_shm_buffers, run, write_corpus
+from launch import TINY, env, free_port, remove_shm_buffers, run, write_corpus
 from metaseq_ds.cli.main import app
 
 
@@ -49,6 +49,25 @@ def test_seeded_sampling_is_reproducible_and_input_files_are_read(checkpoint, tm
     assert [json.loads(line)["prompt"] for line in first.stdout.splitlines()] == ["the data", "loss"]
 
 
+def test_a_loaded_checkpoint_is_made_generation_fast_and_completes_as_the_plain_model(checkpoint):
+    from metaseq_ds import checkpoint_utils
+    from metaseq_ds.hub_utils import GeneratorInterface
+
+    interface = GeneratorInterface(str(checkpoint))
+    [model] = interface.load_model()
+    assert model.decoder.layers[0].fc1.weight.t().is_contiguous()  # laid out for decoding steps
+    with pytest.raises(RuntimeError, match="cannot train"):
+        model.train()
+    _, task, plain, _ = checkpoint_utils.load_model_for_inference(str(checkpoint), need_data=False)
+    fast = interface.generate(["the model", "loss"], max_tokens=8, temperature=0, logprobs=2)
+    as_trained = GeneratorInterface(model=plain, task=task).generate(["the model", "loss"], max_tokens=8,
+                                                                      temperature=0, logprobs=2)
+    assert plain.training is False and plain.decoder.layers[0].fc1.weight.is_contiguous()  # given, not changed
+    for [mine], [reference] in zip(fast, as_trained):
+        assert mine["tokens"] == reference["tokens"]
+        assert mine["token_scores"] == pytest.approx(reference["token_scores"], abs=1e-5)
+
+
 @pytest.mark.parametrize(
     "args, complaint",
     [
@@ -82,12 +101,13 @@ def test_under_the_deepspeed_launcher_the_model_is_sharded_and_gives_the_same_co
     one_process = [_generate(*args, "--temperature", "0"), _generate(*args, "--temperature", "0.8", "--seed", "3")]
     for mode, single in zip((["--temperature", "0"], ["--temperature", "0.8", "--seed", "3"]), one_process):
         assert single.exit_code == 0, single.output
-        command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", "29741",
+        port = free_port()
+        command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
                    "--module", "metaseq_ds.cli.generate", *args, *mode]
         try:
             sharded = subprocess.run(command, capture_output=True, text=True, env=env(), timeout=300)
         finally:
-            remove_shm_buffers(29741)
+            remove_shm_buffers(port)
         records = [json.loads(line) for line in sharded.stdout.splitlines() if line.startswith('{"prompt"')]
         expected = [json.loads(line) for line in single.stdout.splitlines()]
         assert len(records) == 2, sharded.stdout[-2000:] + sharded.stderr[-2000:]

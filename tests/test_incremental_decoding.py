@@ -21,13 +21,16 @@ def _tokens(left_pad: bool):
 
 @pytest.mark.parametrize("variant", ["pre_ln_relu_tied", "post_ln_projected_like_350m"])
 @pytest.mark.parametrize("left_pad", [False, True], ids=["plain", "left_padded"])
-def test_incremental_logits_equal_full_forward_at_every_step(variant, left_pad):
+@pytest.mark.parametrize("generation_fast", [False, True], ids=["as_trained", "generation_fast"])
+def test_incremental_logits_equal_full_forward_at_every_step(variant, left_pad, generation_fast):
     _, model, _, _ = build_pair(variant)
     tokens = _tokens(left_pad)
     real = tokens.ne(PAD)
     prompt = 7
     with torch.no_grad():
         full = model(tokens)[0]  # (B, T, V)
+        if generation_fast:  # the decoding steps then read the weights laid out for them
+            model.make_generation_fast_()
         state = {}
         first = model(tokens[:, :prompt], incremental_state=state)[0]
         assert first.shape == (3, prompt, 40)
@@ -38,6 +41,15 @@ def test_incremental_logits_equal_full_forward_at_every_step(variant, left_pad):
             steps.append(step)
         incremental = torch.cat(steps, dim=1)
     torch.testing.assert_close(incremental[real], full[real], atol=1e-5, rtol=1e-5)
+
+
+def test_a_generation_fast_model_refuses_training():
+    _, model, _, _ = build_pair("pre_ln_relu_tied")
+    model.make_generation_fast_()
+    assert not model.training
+    model.eval()  # still allowed
+    with pytest.raises(RuntimeError, match="cannot train after make_generation_fast_"):
+        model.train()
 
 
 def test_several_new_tokens_after_a_cache_are_causal():

@@ -1,6 +1,7 @@
 """SequenceGenerator and GeneratorInterface: Hugging Face parity for greedy and beam search,
 sampling masks and seeds, stops, finish reasons, logprobs, echo, batching."""
 
+import copy
 import math
 
 import pytest
@@ -35,9 +36,13 @@ def pair():
     return ours, hf
 
 
+@pytest.mark.parametrize("generation_fast", [False, True], ids=["as_trained", "generation_fast"])
 @pytest.mark.parametrize("beams, length_penalty", [(1, 1.0), (3, 1.0), (4, 0.5), (2, 2.0)])
-def test_greedy_and_beam_search_equal_hugging_face_generate(pair, beams, length_penalty):
+def test_greedy_and_beam_search_equal_hugging_face_generate(pair, beams, length_penalty, generation_fast):
     ours, hf = pair
+    if generation_fast:
+        ours = copy.deepcopy(ours)
+        ours.make_generation_fast_()
     reasons = []
     for seed in range(4):
         prompts = _prompts(seed)

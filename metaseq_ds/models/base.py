@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from metaseq_ds.incremental_decoding_utils import with_incremental_state
+from metaseq_ds.modules.linear import lay_out_for_decoding
 
 NetOutput = Tuple[torch.Tensor, Optional[Dict[str, Any]]]
 
@@ -108,6 +109,25 @@ class BaseModel(nn.Module):
 
     def max_positions(self) -> Optional[int]:
         return None
+
+    def prepare_for_inference_(self, cfg=None) -> None:
+        """fairseq's name for `make_generation_fast_` (the generation settings in `cfg` change nothing here)."""
+        self.make_generation_fast_()
+
+    def make_generation_fast_(self, **unused) -> None:
+        """Make this model faster to generate with, and inference-only, as fairseq's did: eval
+        mode, the Linear weights laid out for decoding steps (`lay_out_for_decoding`: same
+        values, no extra memory), and `train()` refused from then on, since an optimizer
+        set up earlier would no longer update the moved weights."""
+        self.eval()
+        lay_out_for_decoding(self)
+        self.train = _refuse_training.__get__(self)
+
+
+def _refuse_training(model: nn.Module, mode: bool = True) -> nn.Module:
+    if mode:
+        raise RuntimeError(f"{type(model).__name__} cannot train after make_generation_fast_ (load it again to train)")
+    return nn.Module.train(model, False)
 
 
 class LanguageModel(BaseModel):

@@ -22,35 +22,8 @@ from torch import nn
 from metaseq_ds.incremental_decoding_utils import with_incremental_state
 from metaseq_ds.models.base import BaseDecoder
 from metaseq_ds.modules import Dropout, LearnedPositionalEmbedding, Linear, SinusoidalPositionalEmbedding
-from metaseq_ds.modules.linear import ONEDNN_MIN_ROWS, onednn_product, onednn_runs
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}  # exact gelu, as fairseq's "gelu" and HF's
-
-
-def uses_inference_copies(x: torch.Tensor, *linears: nn.Module) -> bool:
-    """Whether `linears` may run through `transposed_weights`: a decoding step on the CPU (no
-    autograd, fewer rows than `Linear` sends to oneDNN) through nn.Linear layers in eval mode
-    (not swapped for a tensor-parallel layer). Prompts and validation keep `Linear`."""
-    return (not torch.is_grad_enabled() and x.device.type == "cpu" and x.numel() < ONEDNN_MIN_ROWS * x.size(-1)
-            and all(isinstance(linear, nn.Linear) and not linear.training for linear in linears))
-
-
-def transposed_weights(owner: nn.Module, *linears: nn.Linear) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """The weights of `linears` side by side, transposed to a contiguous (in, sum of outs), and
-    their biases concatenated: cached on `owner`, rebuilt whenever a weight changes.
-
-    For the few rows of a decoding step this CPU's matrix-vector product is ~2x faster with
-    the output features as the contiguous dimension, and one product replaces several.
-    The cost: CPU generation holds a second copy of the q/k/v and output projection weights.
-    """
-    key = tuple((p.data_ptr(), p._version) for linear in linears for p in (linear.weight, linear.bias) if p is not None)
-    cached = owner.__dict__.get("_transposed_weights")
-    if cached is None or cached[0] != key:
-        weight = torch.cat([linear.weight.detach() for linear in linears]).t().contiguous()
-        biases = [linear.bias.detach() for linear in linears if linear.bias is not None]
-        bias = torch.cat(biases) if len(biases) == len(linears) else None
-        cached = owner.__dict__["_transposed_weights"] = (key, weight, bias)
-    return cached[1], cached[2]
 
 
 def embed_scale(cfg) -> float:
@@ -80,7 +53,7 @@ class SelfAttention(nn.Module):
         head_dim = C // self.num_heads
         # The head count is read from the projections' width (-1), not num_heads: a tensor-parallel
         # plan may swap in projections that produce only this rank's share of the heads.
-        q, k, v = self._project_qkv(x)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q = q.view(B, T, -1, head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, -1, head_dim).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, -1, head_dim).transpose(1, 2)  # (B, nh, T, hs)
@@ -101,13 +74,6 @@ class SelfAttention(nn.Module):
         )
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C) heads side by side again
         return self.out_proj(y)
-
-    def _project_qkv(self, x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        if not uses_inference_copies(x, self.q_proj, self.k_proj, self.v_proj):
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        weight, bias = transposed_weights(self, self.q_proj, self.k_proj, self.v_proj)
-        qkv = x @ weight if bias is None else torch.addmm(bias, x.reshape(-1, x.size(-1)), weight)
-        return qkv.view(*x.shape[:-1], -1).chunk(3, dim=-1)
 
     def reorder_incremental_state(self, incremental_state, new_order: torch.Tensor) -> None:
         cache = self.get_incremental_state(incremental_state, "attn_state")
@@ -295,16 +261,7 @@ class TransformerDecoder(BaseDecoder):
 
     def output_layer(self, features: torch.Tensor, **kwargs) -> torch.Tensor:
         """(B, T, C) -> (B, T, V) logits."""
-        if not uses_inference_copies(features, self.output_projection):
-            return self.output_projection(features)
-        # In decoding this projection is most of a small model's step time, and it is bound by
-        # reading the weight: oneDNN reads the (in, out) copy ~2.5x faster than MKL's GEMV
-        # (measured, 1-8 rows of OPT's vocabulary: benchmarks/generate.py).
-        weight = transposed_weights(self, self.output_projection)[0]  # (C, V)
-        if not onednn_runs(features, weight):
-            return features @ weight
-        rows = features.reshape(-1, features.size(-1))  # (B * T, C)
-        return onednn_product(rows, weight.t()).view(*features.shape[:-1], -1)
+        return self.output_projection(features)
 
     def max_positions(self) -> int:
         return self.max_target_positions

@@ -1,23 +1,30 @@
-"""`Linear`: an `nn.Linear` whose fp32 products on the CPU run on oneDNN instead of MKL.
+"""`Linear`: an `nn.Linear` whose fp32 products on the CPU run on oneDNN instead of MKL, and
+`lay_out_for_decoding`, which stores a model's Linear weights the way decoding reads fastest.
 
 PyTorch's fp32 CPU matmul calls MKL, whose kernel dispatch favours Intel processors: on this
 project's AMD EPYC it sustains ~170 GFLOP/s where oneDNN (also inside PyTorch, and what
 PyTorch already uses for bf16) reaches ~300-400 at the decoder's shapes. So for fp32 on the
-CPU the forward and both backward products go through `torch.ops.mkldnn._linear_pointwise`;
-everything else (bf16, CUDA, a few rows as in decoding) keeps `F.linear`. Same parameters,
-names and state dict as `nn.Linear`, and an `nn.Linear` for isinstance checks, so tensor-
-parallel plans and checkpoints see no difference. Results equal F.linear's up to fp32
-summation order (~1e-6 relative).
+CPU the forward and both backward products go through `torch.ops.mkldnn._linear_pointwise`
+when there are many rows (training, prompts) or the weight is large (a decoding step through
+the vocabulary projection or a wide FFN, where oneDNN streams the weight from memory ~1.5-3x
+faster than MKL's matrix-vector product); everything else (bf16, CUDA, a few rows through a
+small weight) keeps `F.linear`. Same parameters, names and state dict as `nn.Linear`, and an
+`nn.Linear` for isinstance checks, so tensor-parallel plans and checkpoints see no difference.
+Results equal F.linear's up to fp32 summation order (~1e-6 relative).
 """
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-ONEDNN_MIN_ROWS = 32  # measured: from 32 rows oneDNN is faster; below (decoding), MKL's GEMV is as fast
+# Measured on the decoder's shapes (benchmarks/generate.py has the end-to-end figures): from 32
+# rows oneDNN is faster at any size; below, only for weights of 2**20 elements or more, since
+# oneDNN's ~20 us call overhead outweighs its faster reads on smaller ones.
+ONEDNN_MIN_ROWS = 32
+ONEDNN_MIN_WEIGHT = 2**20
 
 
-def onednn_product(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+def _onednn_product(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
     """x @ weight.T (+ bias) on oneDNN; either operand may be a transposed (strided) view."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
@@ -27,32 +34,32 @@ class _OneDNNLinear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return onednn_product(x, weight, bias)  # (N, out)
+        return _onednn_product(x, weight, bias)  # (N, out)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, weight = ctx.saved_tensors  # (N, in), (out, in)
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = onednn_product(grad, weight.t())  # (N, out) @ (out, in)
+            grad_x = _onednn_product(grad, weight.t())  # (N, out) @ (out, in)
         if ctx.needs_input_grad[1]:
             if weight.size(0) >= x.size(0):
                 # Wide outputs (the vocabulary projection): (x^T grad)^T keeps the big gradient
                 # in the layout oneDNN reads without reordering it.
-                grad_weight = onednn_product(x.t(), grad.t()).t().contiguous()
+                grad_weight = _onednn_product(x.t(), grad.t()).t().contiguous()
             else:
-                grad_weight = onednn_product(grad.t(), x.t())  # (out, N) @ (N, in)
+                grad_weight = _onednn_product(grad.t(), x.t())  # (out, N) @ (N, in)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad.sum(0)
         return grad_x, grad_weight, grad_bias
 
 
-def onednn_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `onednn_product(x, weight)` may run: fp32 CPU tensors, oneDNN on. Not under
-    torch.compile (inductor cannot lower this oneDNN op in PyTorch 2.13), nor under autocast,
-    which would then no longer choose the product's dtype."""
+def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    # Not under torch.compile (inductor cannot lower this oneDNN op in PyTorch 2.13), nor under
+    # autocast, which would then no longer choose the product's dtype.
     return (
-        not torch.compiler.is_compiling()
+        (x.numel() >= ONEDNN_MIN_ROWS * x.size(-1) or weight.numel() >= ONEDNN_MIN_WEIGHT)
+        and not torch.compiler.is_compiling()
         and not torch.is_autocast_enabled("cpu")
         and x.device.type == "cpu"
         and x.dtype == weight.dtype == torch.float32
@@ -61,12 +68,31 @@ def onednn_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
-def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return x.numel() >= ONEDNN_MIN_ROWS * x.size(-1) and onednn_runs(x, weight)
+@torch.no_grad()
+def lay_out_for_decoding(model: nn.Module) -> None:
+    """Store the weight of every `nn.Linear` in `model` transposed in memory: (in, out)
+    contiguous, seen through an (out, in) view, so its shape, values and state dict are
+    unchanged (a tied embedding shares the layout).
+
+    A decoding step multiplies a few rows by each weight, which is bound by reading the
+    weight; both MKL and oneDNN read this layout ~1.3-1.6x faster than the usual one (measured
+    with the weights coming from memory, as they do between steps). It costs no memory: the
+    weights are moved, not copied. Only for CPU weights of a model that will no longer be
+    trained (`BaseModel.make_generation_fast_` calls it): an optimizer or a ZeRO partition
+    holding the old tensors would no longer see the weights. Weights already laid out,
+    ZeRO-3-partitioned or not on the CPU are left alone.
+    """
+    for module in model.modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        weight = module.weight
+        if weight.device.type == "cpu" and weight.dim() == 2 and weight.is_contiguous() and not hasattr(weight, "ds_id"):
+            weight.data = weight.data.t().contiguous().t()
 
 
 class Linear(nn.Linear):
-    """`nn.Linear`, computed on oneDNN for fp32 CPU tensors of at least ONEDNN_MIN_ROWS rows."""
+    """`nn.Linear`, computed on oneDNN for fp32 CPU tensors of at least ONEDNN_MIN_ROWS rows or
+    weights of at least ONEDNN_MIN_WEIGHT elements."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not uses_onednn(x, self.weight):
