@@ -110,6 +110,8 @@ class BaseModel(nn.Module):
     def max_positions(self) -> Optional[int]:
         return None
 
+    generation_only = False  # set by make_generation_fast_
+
     def prepare_for_inference_(self, cfg=None) -> None:
         """fairseq's name for `make_generation_fast_` (the generation settings in `cfg` change nothing here)."""
         self.make_generation_fast_()
@@ -121,13 +123,12 @@ class BaseModel(nn.Module):
         set up earlier would no longer update the moved weights."""
         self.eval()
         lay_out_for_decoding(self)
-        self.train = _refuse_training.__get__(self)
+        self.generation_only = True
 
-
-def _refuse_training(model: nn.Module, mode: bool = True) -> nn.Module:
-    if mode:
-        raise RuntimeError(f"{type(model).__name__} cannot train after make_generation_fast_ (load it again to train)")
-    return nn.Module.train(model, False)
+    def train(self, mode: bool = True) -> "BaseModel":
+        if mode and self.generation_only:
+            raise RuntimeError(f"{type(self).__name__} cannot train after make_generation_fast_ (load it again to train)")
+        return super().train(mode)
 
 
 class LanguageModel(BaseModel):
