@@ -7,9 +7,9 @@ Prompts of 32 tokens, 128 new tokens each (end-of-sequence held back, so both pr
 128), batch 1 and batch 8. Prints tokens/s for each side (median of 3 runs, the two sides
 interleaved) and their ratio.
 Target: metaseq_ds >= 2x Hugging Face at batch 1 and >= 1.2x at batch 8.
-The default model (4 layers, width 256, OPT's 50272-token vocabulary) is small enough that
-the per-token overhead of the decoding loop shows; pass OPT-125m's shape
-(`--layers 12 --dim 768 --heads 12`) to see a compute-bound case.
+The default model (4 layers, width 256, OPT's 50272-token vocabulary) spends most of a step
+reading its 51 MB vocabulary projection; pass OPT-125m's shape (`--layers 12 --dim 768
+--heads 12`) to see steps dominated by the layers' weights.
 """
 
 import argparse

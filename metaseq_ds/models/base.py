@@ -119,8 +119,8 @@ class BaseModel(nn.Module):
     def make_generation_fast_(self, **unused) -> None:
         """Make this model faster to generate with, and inference-only, as fairseq's did: eval
         mode, the Linear weights laid out for decoding steps (`lay_out_for_decoding`: same
-        values, no extra memory), and `train()` refused from then on, since an optimizer
-        set up earlier would no longer update the moved weights."""
+        values, no extra memory), and `train()` refused from then on: the layout is for reading,
+        and ZeRO's flat buffers set up earlier would no longer hold the moved weights."""
         self.eval()
         lay_out_for_decoding(self)
         self.generation_only = True

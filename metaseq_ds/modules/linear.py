@@ -78,7 +78,7 @@ def lay_out_for_decoding(model: nn.Module) -> None:
     weight; both MKL and oneDNN read this layout ~1.3-1.6x faster than the usual one (measured
     with the weights coming from memory, as they do between steps). It costs no memory: the
     weights are moved, not copied. Only for CPU weights of a model that will no longer be
-    trained (`BaseModel.make_generation_fast_` calls it): an optimizer or a ZeRO partition
+    trained (`BaseModel.make_generation_fast_` calls it): ZeRO's flat buffers
     holding the old tensors would no longer see the weights. Weights already laid out,
     ZeRO-3-partitioned or not on the CPU are left alone.
     """
@@ -86,7 +86,7 @@ def lay_out_for_decoding(model: nn.Module) -> None:
         if not isinstance(module, nn.Linear):
             continue
         weight = module.weight
-        if weight.device.type == "cpu" and weight.dim() == 2 and weight.is_contiguous() and not hasattr(weight, "ds_id"):
+        if weight.device.type == "cpu" and weight.is_contiguous() and not hasattr(weight, "ds_id"):
             weight.data = weight.data.t().contiguous().t()
 
 
