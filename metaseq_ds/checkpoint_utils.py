@@ -161,18 +161,9 @@ def _tensor_parallel_part(ref: CheckpointRef, zero_stage: int, tp_rank: int) -> 
 
         states = safe_load(ref.path / f"mp_rank_{tp_rank:02d}_model_states.pt", map_location="cpu", mmap=True)
         return dict(states["module"])
-    # DeepSpeed's consolidation, given the files of one tensor-parallel rank: its public entry
-    # point takes the whole directory and refuses a save of several tensor-parallel ranks.
-    from deepspeed.utils import zero_to_fp32
+    from metaseq_ds.private_apis import consolidate_zero_shards
 
-    folder = str(ref.path)
-    model_states = zero_to_fp32.parse_model_states(
-        zero_to_fp32.get_checkpoint_files(folder, f"*mp_rank_{tp_rank:02d}_model_states.pt"))
-    stage, dp_size, flat_groups, paddings = zero_to_fp32.parse_optim_states(
-        zero_to_fp32.get_checkpoint_files(folder, f"*mp_rank_{tp_rank:02d}_optim_states.pt"), folder)
-    if stage <= 2:
-        return zero_to_fp32._get_fp32_state_dict_from_zero2_checkpoint(dp_size, flat_groups, model_states, False, paddings)
-    return zero_to_fp32._get_fp32_state_dict_from_zero3_checkpoint(dp_size, flat_groups, model_states, False)
+    return consolidate_zero_shards(str(ref.path), tp_rank)
 
 
 class _LazyConcat:

@@ -149,12 +149,13 @@ def apply_tensor_parallel(model: nn.Module, gather_logits: bool = True) -> nn.Mo
         VocabParallelLinear,
         set_autotp_mode,
     )
-    from deepspeed.module_inject.tp_shard import AutoTPMeta
+
+    from metaseq_ds.private_apis import even_split_tp_meta
 
     # Training mode: DeepSpeed's layers then use autograd-safe (not in-place) ops.
     set_autotp_mode(training=True)
     group = dist_utils.get_tensor_model_parallel_group()
-    meta = AutoTPMeta(tp_grain_size=1)  # even splits (divisibility was checked up front)
+    meta = even_split_tp_meta()  # divisibility was checked up front
     decoder = model.decoder
     tied = decoder.output_projection.weight is decoder.embed_tokens.weight
     planned = [(name, module, _planned_style(name)) for name, module in model.named_modules()]

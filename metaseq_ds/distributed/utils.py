@@ -46,9 +46,9 @@ def init_distributed(distributed_port: int = -1, tensor_parallel_size: int = 1) 
 
         deepspeed.init_distributed()
     if tensor_parallel_size > 1:
-        from deepspeed.utils import groups
+        from metaseq_ds.private_apis import init_tensor_parallel_groups
 
-        groups._init_tp_mesh_device(tensor_model_parallel_size=tensor_parallel_size)
+        init_tensor_parallel_groups(tensor_parallel_size)
 
 
 def get_global_rank() -> int:
@@ -65,7 +65,9 @@ def _tp_groups():
         return None
     from deepspeed.utils import groups
 
-    return groups if groups._TENSOR_MODEL_PARALLEL_GROUP is not None else None
+    from metaseq_ds.private_apis import tensor_parallel_groups_initialized
+
+    return groups if tensor_parallel_groups_initialized() else None
 
 
 def get_tensor_model_parallel_group():
