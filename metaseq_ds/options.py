@@ -72,7 +72,7 @@ def flag(name: str) -> str:
 
 def component_registries() -> Dict[str, Registry]:
     """The registries, imported here because they pull in torch (not on the `--help` path)."""
-    from metaseq_ds import criterions, models, optim, tasks
+    from metaseq_ds import criterions, model_parallel, models, optim, tasks  # noqa: F401 (model_parallel registers)
     from metaseq_ds.optim import lr_scheduler
 
     return {

@@ -75,8 +75,8 @@ def main(cfg) -> None:
     start_from = _weights_restore(restore, cfg, world_size)
     if start_from is not None:  # weights go into the plain model, before TP/ZeRO touch it
         start_from.load_into(model)
-    model = parallelize(model, cfg)
     criterion = task.build_criterion(cfg.criterion)
+    model = parallelize(model, cfg, criterion)
     n_params = sum(p.numel() for p in model.parameters())
     logger.info(f"model {cfg.arch}: {n_params:,} parameters (on this rank); {world_size} rank(s)"
                 + (f" = {dp_size} data-parallel x {tp_size} tensor-parallel" if tp_size > 1 else ""))

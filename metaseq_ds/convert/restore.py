@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from metaseq_ds.distributed.tensor_parallel import local_shards, tensor_parallel_size
+from metaseq_ds.distributed.tensor_parallel import tensor_parallel_size
 from metaseq_ds.errors import UsageError
 
 logger = logging.getLogger("metaseq_ds.cli.train")
@@ -38,8 +38,6 @@ class WeightsRestore:
     def load_into(self, model: torch.nn.Module) -> None:
         """Call before the model is sharded: the TP plan and ZeRO then partition these values."""
         weights = self.load_weights()
-        if getattr(model, "ds_autotp_parsed", False):  # built sharded (--arch model_parallel_transformer_lm)
-            weights = local_shards(weights)
         try:
             model.load_state_dict(_fit_vocabulary_rows(weights, model.state_dict()))
         except RuntimeError as error:

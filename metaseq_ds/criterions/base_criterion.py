@@ -12,6 +12,10 @@ class BaseCriterion(nn.Module):
     `padding_idx` is the target dictionary's pad id (-100, torch's ignore index, without one).
     """
 
+    # A criterion that computes its loss from this rank's slice of the vocabulary's logits
+    # (tensor parallelism) sets this: the model then never gathers the logits for it.
+    reads_vocab_parallel_logits = False
+
     def __init__(self, task):
         super().__init__()
         self.task = task

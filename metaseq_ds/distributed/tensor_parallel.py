@@ -137,9 +137,6 @@ def apply_tensor_parallel(model: nn.Module, gather_logits: bool = True) -> nn.Mo
     from metaseq_ds.distributed import utils as dist_utils
 
     size = dist_utils.get_tensor_model_parallel_world_size()
-    if getattr(model, "ds_autotp_parsed", False):  # sharded when built (ModelParallelTransformerLanguageModel)
-        model.decoder.output_projection.gather_output = gather_logits
-        return model
     if size <= 1:
         return model
     from deepspeed.module_inject.layers import (
