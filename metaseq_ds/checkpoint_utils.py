@@ -191,14 +191,12 @@ def load_model_for_inference(path: str, data: Optional[str] = None, need_data: b
     ref = find_checkpoint(path)
     if ref is None:
         raise UsageError(f"--path: {path} is not a checkpoint (expected a save dir with checkpoint_last, or a checkpoint_* dir)")
-    cfg = config_from_dict(ref.meta()["config"])
-    if data is not None:
-        cfg.task.data = data
-    elif not need_data:
-        # The task only checks that its data directory exists (reading starts in load_dataset);
-        # the checkpoint's own directory stands in, so that neither a moved corpus nor the
-        # demo corpus (built when no data is set) gets in the way.
-        cfg.task.data = str(ref.path)
+    saved = ref.meta()["config"]
+    if data is None and need_data and not saved["task"].get("data", True):
+        raise UsageError(f"--path {path}: the checkpoint records no data directory (imported weights?): give --data DATA")
+    # Without data (generation) the task opens no data directory: a moved corpus is no obstacle.
+    overrides = {"task": {"data": data}} if data is not None or not need_data else {}
+    cfg = config_from_dict(saved, overrides)
     task = tasks.setup_task(cfg.task)
     model = task.build_model(cfg.model)
     model.load_state_dict(load_model_weights(ref))

@@ -184,8 +184,8 @@ class Trainer:
 
         return move(sample)
 
-    # -- checkpoint client state ------------------------------------------------------------
-    def client_state(self) -> Dict[str, Any]:
+    # -- state for checkpoints (DeepSpeed saves it as the engine's "client state") -----------
+    def state_dict(self) -> Dict[str, Any]:
         return {
             "num_updates": self.num_updates,
             "lr_scheduler": self.lr_scheduler.state_dict(),
@@ -193,7 +193,7 @@ class Trainer:
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
         }
 
-    def load_client_state(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.num_updates = state["num_updates"]
         if not self.cfg.checkpoint.reset_lr_scheduler:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])

@@ -5,7 +5,6 @@ so `mseq --help` never imports torch or deepspeed.
 `metaseq_ds.options` from the config dataclasses; typer only routes to it.
 """
 
-import os
 import sys
 from typing import List, Optional
 
@@ -159,10 +158,9 @@ def _root(
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    if os.environ.get("METASEQ_DS_COMPAT"):  # plugins that `import fairseq` and cannot be edited
-        import compat
+    from metaseq_ds.user_code import install_compat_if_asked
 
-        run_guarded("compat", compat.install_from_env)
+    run_guarded("compat", install_compat_if_asked)  # plugins that `import fairseq` and cannot be edited
     app(args=argv, prog_name="mseq")
 
 

@@ -86,6 +86,11 @@ class DatasetConfig(MetaseqDataclass):
     disable_validation: bool = field(default=False, metadata={"help": "never validate"})
     max_valid_steps: Optional[int] = field(default=None, metadata={"help": "at most N validation batches per split"})
     data_buffer_size: int = field(default=10, metadata={"help": "metaseq flag; accepted, no effect here"})
+    demo: bool = field(
+        default=False,
+        metadata={"help": "train on the embedded demo corpus (Python's standard library sources, written to "
+                          "data/demo_corpus) with the demo's defaults; what `mseq train` without DATA does"},
+    )
 
 
 @dataclass
@@ -107,7 +112,11 @@ class CheckpointConfig(MetaseqDataclass):
     save_interval_updates: int = field(default=0, metadata={"help": "save every N updates (0: only at epoch ends)"})
     save_interval: int = field(default=1, metadata={"help": "save every N epochs"})
     keep_last_updates: int = field(default=-1, metadata={"help": "keep only the last N update checkpoints (-1: all)"})
-    no_save: bool = field(default=False, metadata={"help": "save no checkpoints"})
+    no_save: bool = field(
+        default=False,
+        metadata={"help": "save no checkpoints, and do not resume from --save-dir's checkpoint_last "
+                          "(an explicit --restore-file is still restored)"},
+    )
     no_epoch_checkpoints: bool = field(default=False, metadata={"help": "no checkpoints at epoch ends"})
     reset_optimizer: bool = field(default=False, metadata={"help": "when restoring, do not load optimizer state"})
     reset_lr_scheduler: bool = field(default=False, metadata={"help": "when restoring, do not load LR scheduler state"})

@@ -20,7 +20,7 @@ PRESETS = ("zero1", "zero2", "zero3", "zero3_offload")
 
 def load_preset(name_or_path: str) -> Dict[str, Any]:
     if name_or_path in PRESETS:
-        text = importlib.resources.files("metaseq_ds").joinpath("ds_configs", f"{name_or_path}.json").read_text()
+        text = importlib.resources.files("metaseq_ds.ds_configs").joinpath(f"{name_or_path}.json").read_text()
         return json.loads(text)
     path = Path(name_or_path)
     if not path.is_file():
