@@ -52,9 +52,9 @@ def plugin_and_corpus(tmp_path_factory):
 
 def test_the_gradient_and_the_logged_loss_use_the_declared_sample_size(plugin_and_corpus, tmp_path):
     plugin, corpus = plugin_and_corpus
-    per_token = log_records(run([str(corpus), *COMMON], cwd=tmp_path).stdout)[0]
+    per_token = log_records(run([str(corpus), *COMMON]).stdout)[0]
     per_sentence = log_records(run([str(corpus), *COMMON, "--user-dir", str(plugin), "--criterion",
-                                    "per_sentence_cross_entropy"], cwd=tmp_path).stdout)[0]
+                                    "per_sentence_cross_entropy"]).stdout)[0]
     tokens_per_sentence = per_token["wpb"] / per_token["bsz"]
     assert per_sentence["wpb"] == per_token["wpb"] and per_sentence["bsz"] == per_token["bsz"]  # same batch
     # Same weights and batch at update 1: dividing by sentences instead of tokens scales both.
@@ -65,7 +65,7 @@ def test_the_gradient_and_the_logged_loss_use_the_declared_sample_size(plugin_an
 def test_a_forward_that_returns_another_sample_size_is_refused_in_one_line(plugin_and_corpus, tmp_path):
     plugin, corpus = plugin_and_corpus
     result = run([str(corpus), *COMMON, "--user-dir", str(plugin), "--criterion", "undeclared_sample_size"],
-                 cwd=tmp_path, check=False)
+                 check=False)
     assert result.returncode == 2, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
     assert "UndeclaredSampleSize: forward returned sample_size 4 but sample_size(sample) declared" in last
