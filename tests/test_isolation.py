@@ -6,6 +6,7 @@ the suite, runs next from that checkout and must neither resume, refuse nor over
 
 import os
 import pwd
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -52,8 +53,11 @@ def test_tests_pass_from_a_directory_holding_another_models_checkpoints_and_data
     assert isolated.returncode == 0 and "2 passed" in isolated.stdout, isolated.stdout[-3000:]
     assert tree_digest(checkout) == before
 
-    # Without the isolation the same tests meet the stray directories (so they prove something).
+    # Without the isolation the same tests meet the stray directories (so they prove something):
+    # first the checkpoints (checked before anything is written), then, without them, the data.
     exposed = _pytest(checkout, tmp_path / "exposed", "--noconftest")
     assert "2 failed" in exposed.stdout, exposed.stdout[-3000:]
     assert "holds a checkpoint of another model" in exposed.stdout
-    assert "is not a demo corpus" in exposed.stdout
+    shutil.rmtree(checkout / "checkpoints")
+    exposed = _pytest(checkout, tmp_path / "exposed_data", "--noconftest", "-k", "demo")
+    assert "1 failed" in exposed.stdout and "is not a demo corpus" in exposed.stdout, exposed.stdout[-3000:]
