@@ -89,7 +89,8 @@ class GenerationOptions(BaseModel):
         for smaller, larger in (("min_tokens", "max_tokens"), ("n", "best_of")):
             if getattr(self, smaller) > getattr(self, larger):
                 raise PydanticCustomError(ORDER_ERROR, "need {smaller} <= {larger}",
-                                          {"smaller": smaller, "larger": larger})
+                                          {"smaller": smaller, "larger": larger,
+                                           "values": (getattr(self, smaller), getattr(self, larger))})
         return self
 
     @property
@@ -142,7 +143,7 @@ def allowed_range(field: str) -> Optional[str]:
 
 
 def _number(value) -> str:
-    return "2**63" if value == 2**63 else str(value)
+    return "2**63" if value == 2**63 else str(value)  # the seed's bound reads better than its 19 digits
 
 
 def explain(error: ValidationError, name: Namer = str) -> OptionError:
@@ -150,10 +151,9 @@ def explain(error: ValidationError, name: Namer = str) -> OptionError:
     problem = error.errors()[0]
     kind, context = problem["type"], problem.get("ctx", {})
     if kind == ORDER_ERROR:
-        smaller, larger = context["smaller"], context["larger"]
-        values = problem["input"]
-        return OptionError(f"need {name(smaller)} <= {name(larger)}, got {name(smaller)}={_value(values, smaller)}, "
-                           f"{name(larger)}={_value(values, larger)}", smaller)
+        (smaller, larger), (small, large) = (context["smaller"], context["larger"]), context["values"]
+        return OptionError(f"need {name(smaller)} <= {name(larger)}, got {name(smaller)}={small}, "
+                           f"{name(larger)}={large}", smaller)
     field = str(problem["loc"][0]) if problem["loc"] else None
     where = name(field) if field else "generation options"
     got = problem["input"]
@@ -166,6 +166,3 @@ def explain(error: ValidationError, name: Namer = str) -> OptionError:
     message = problem["msg"]
     return OptionError(f"{where}: {message[0].lower()}{message[1:]}, got {got!r}", field)
 
-
-def _value(values, field: str):
-    return getattr(values, field) if isinstance(values, GenerationOptions) else values[field]

@@ -136,7 +136,7 @@ def options_from_keywords(
              "logprobs": max(1, logprobs_topk) if need_logprobs else 0, "echo": echo, "seed": seed}
     options = GenerationOptions.from_values({k: v for k, v in given.items() if v is not None},
                                             name=lambda field: METASEQ_KEYWORDS.get(field, field))
-    if options.beams < options.best_of:  # best_of > 1 would sample instead: what metaseq called beams
+    if options.beams < options.best_of:  # beams at temperature > 0 would become best_of samples
         raise UsageError("beam search is deterministic: use temperature 0 with a beam size > 1")
     return options
 
@@ -145,10 +145,10 @@ class SequenceGenerator(nn.Module):
     """Generates continuations of token prompts with one model (metaseq's class name and
     `generate(models, sample)` entry point; lengths count new tokens only).
 
-    How is one `GenerationOptions`: temperature 0 decodes greedily (or by beam search over
-    `best_of` beams); temperature > 0 samples `best_of` completions per prompt from
-    softmax(logits / temperature) restricted by `top_k` (0: off) and `top_p`; either way the
-    best `n` are returned. `seed` makes sampling reproducible. metaseq's keywords (`beam_size`,
+    It decodes as one `GenerationOptions` says: temperature 0 greedily (or by beam search over
+    `best_of` beams); temperature > 0 by sampling `best_of` completions per prompt from
+    softmax(logits / temperature) restricted by `top_k` (0: off) and `top_p`; either way it
+    returns the best `n`. `seed` makes sampling reproducible. metaseq's keywords (`beam_size`,
     `max_new_tokens`, `topp`, ...: see `options_from_keywords`) build the options instead;
     `decode` (token ids -> text) is needed for stop strings.
     """

@@ -80,6 +80,7 @@ BAD = [
     ({"best_of": 0}, "{best_of} must be >= 1, got 0"),
     ({"n": 3, "best_of": 2}, "need {n} <= {best_of}, got {n}=3, {best_of}=2"),
     ({"min_tokens": 5, "max_tokens": 4}, "need {min_tokens} <= {max_tokens}, got {min_tokens}=5, {max_tokens}=4"),
+    ({"min_tokens": 40}, "need {min_tokens} <= {max_tokens}, got {min_tokens}=40, {max_tokens}=32"),
     ({"logprobs": -1}, "{logprobs} must be >= 0, got -1"),
     ({"seed": -1}, "{seed} must be in [0, 2**63), got -1"),
     ({"stop": [""]}, "{stop}: an empty stop string would stop at once"),

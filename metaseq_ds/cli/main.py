@@ -38,6 +38,7 @@ def guarded(command: str):
 
 
 def run_guarded(command: str, fn, *args) -> None:
+    """Run a command's function under `guarded`."""
     with guarded(command):
         fn(*args)
 
