@@ -5,9 +5,9 @@ so `mseq --help` never imports torch or deepspeed.
 `metaseq_ds.options` from the config dataclasses; typer only routes to it.
 """
 
-import contextlib
 import os
 import sys
+from contextlib import contextmanager
 from typing import List, Optional
 
 import typer
@@ -27,7 +27,7 @@ app = typer.Typer(
 PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
 
 
-@contextlib.contextmanager
+@contextmanager
 def guarded(command: str):
     """A UsageError raised inside becomes one line on stderr and exit code 2."""
     try:
