@@ -49,6 +49,9 @@ def _fail(error: UsageError) -> None:
 
 
 def main(cfg) -> None:
+    if cfg.common.dry_run:
+        dry_run(cfg)
+        return
     import deepspeed
     import torch
 
@@ -102,6 +105,16 @@ def main(cfg) -> None:
         sink.close()
     if rank == 0:
         _print_next_steps(cfg, last_valid)
+
+
+def dry_run(cfg) -> None:
+    """`--dry-run`: the per-rank memory plan of these flags (`distributed.memory_plan`)."""
+    from metaseq_ds.distributed.memory_plan import describe, plan_memory
+    from metaseq_ds.distributed.tensor_parallel import check_world, tensor_parallel_size
+
+    world_size = cfg.distributed_training.distributed_world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    check_world(tensor_parallel_size(cfg), world_size)
+    print("\n".join(describe(plan_memory(cfg, world_size), cfg.arch)), flush=True)
 
 
 def train_loop(cfg, task, trainer, epoch_itr, checkpoints, sink):

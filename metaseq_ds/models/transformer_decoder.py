@@ -136,7 +136,10 @@ class TransformerDecoder(BaseDecoder):
         self.embed_scale = embed_scale(cfg)
         self.init_std = cfg.init_std
 
-        self.embed_tokens = nn.Embedding(len(dictionary), input_dim, self.padding_idx)
+        # `_weight`: no default initialisation, which `reset_parameter` replaces anyway (and
+        # which, on the meta device, would load torch's compiler stack just to draw nothing).
+        self.embed_tokens = nn.Embedding(len(dictionary), input_dim, self.padding_idx,
+                                         _weight=torch.empty(len(dictionary), input_dim))
         self.project_in = Linear(input_dim, d, bias=False) if input_dim != d else None
         if cfg.no_token_positional_embeddings:
             self.embed_positions = None

@@ -23,7 +23,9 @@ class LearnedPositionalEmbedding(nn.Embedding):
     """A learned table of `max_positions + padding_idx + 1` rows (OPT: max_positions + 2)."""
 
     def __init__(self, max_positions: int, embedding_dim: int, padding_idx: int):
-        super().__init__(max_positions + padding_idx + 1, embedding_dim, padding_idx)
+        rows = max_positions + padding_idx + 1
+        # `_weight`: left to the model's initialiser (see TransformerDecoder.reset_parameter).
+        super().__init__(rows, embedding_dim, padding_idx, _weight=torch.empty(rows, embedding_dim))
         self.max_positions = max_positions
 
     def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
