@@ -22,7 +22,7 @@ import math
 import typing
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from metaseq_ds.dataclass import COMPONENT_SECTIONS, FIXED_SECTIONS, MetaseqConfig, make_read_only, validate_config
 from metaseq_ds.dataclass.constraints import describe_range, field_types, plain_type, strip_optional
@@ -109,8 +109,8 @@ class TrainArgumentParser:
     """Two passes, as fairseq's: find the components (and plugins), then parse their flags."""
 
     def __init__(self, argv: Sequence[str]):
-        self.argv = list(argv)
-        pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+        self.argv = _negative_values_attached(argv)
+        pre = _ArgumentParser(add_help=False, allow_abbrev=False)
         pre.add_argument("--config")
         pre.add_argument("--user-dir")
         for name in DEFAULT_COMPONENTS:
@@ -137,7 +137,7 @@ class TrainArgumentParser:
         self.parser, self.owner = self._build_parser()
 
     def _build_parser(self) -> Tuple[argparse.ArgumentParser, Dict[str, str]]:
-        parser = argparse.ArgumentParser(
+        parser = _ArgumentParser(
             prog="mseq train",
             description="Train an OPT-style language model on DeepSpeed (metaseq's flags).",
             argument_default=argparse.SUPPRESS,
@@ -193,6 +193,35 @@ class TrainArgumentParser:
 
     def format_help(self) -> str:
         return self.parser.format_help()
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse, whose own errors ("expected one argument") become one UsageError line too."""
+
+    def error(self, message: str):
+        raise UsageError(message)
+
+
+def _negative_values_attached(argv: Sequence[str]) -> List[str]:
+    """`--lr -1e-3` as `--lr=-1e-3`: argparse takes '-1e-3' or '-inf' for a flag (only '-1' and
+    '-0.5' look like numbers to it), so a value out of range would not even reach the check."""
+    out: List[str] = []
+    for token in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and _is_negative_number(token):
+            out[-1] += "=" + token
+        else:
+            out.append(token)
+    return out
+
+
+def _is_negative_number(token: str) -> bool:
+    if not token.startswith("-"):
+        return False
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
 
 
 def section_classes(choice: Mapping[str, str]) -> Dict[str, type]:

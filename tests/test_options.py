@@ -83,6 +83,8 @@ def test_every_builtin_field_has_help():
 @pytest.mark.parametrize("argv, message", [
     (["--lrr", "0.1"], "unknown flag --lrr; did you mean '--lr'?"),
     (["--max-update", "ten"], "invalid value 'ten' for --max-update"),
+    (["--lr", "-1e-3"], "--lr must be > 0, got -1e-3"),  # argparse alone takes '-1e-3' for a flag
+    (["--max-update"], "argument --max-update: expected one argument"),
     (["--sample-break-mode", "paragraph"], "--sample-break-mode"),
     (["--arch", "opt_125"], "--arch: unknown architecture 'opt_125'"),
     (["--optimizer", "adamw"], "--optimizer: unknown optimizer 'adamw'"),
