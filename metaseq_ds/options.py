@@ -207,7 +207,7 @@ def _negative_values_attached(argv: Sequence[str]) -> List[str]:
     '-0.5' look like numbers to it), so a value out of range would not even reach the check."""
     out: List[str] = []
     for token in argv:
-        if out and out[-1].startswith("--") and "=" not in out[-1] and _is_negative_number(token):
+        if out and out[-1].startswith("--") and out[-1] != "--" and "=" not in out[-1] and _is_negative_number(token):
             out[-1] += "=" + token
         else:
             out.append(token)
@@ -358,7 +358,7 @@ def derive(cfg: MetaseqConfig) -> MetaseqConfig:
     if "total_num_update" in cfg.lr_scheduler.__dataclass_fields__ and cfg.lr_scheduler.total_num_update is None:
         if cfg.optimization.max_update < 1:
             raise UsageError(f"--lr-scheduler {cfg.lr_scheduler._name} decays over --total-num-update updates: "
-                             f"give it, or --max-update")
+                             "give it, or --max-update")
         changes["lr_scheduler"]["total_num_update"] = cfg.optimization.max_update
     fp16, bf16 = common.fp16 or common.memory_efficient_fp16, common.bf16 or common.memory_efficient_bf16
     if fp16 and bf16:

@@ -76,6 +76,7 @@ def test_log_lines_and_validation_survive_extreme_losses(caplog):
     assert stats["loss"] == pytest.approx(2000.0) and stats["ppl"] == math.inf
 
 
+@pytest.mark.slow
 def test_the_diverging_example_ends_with_one_line_exit_3_and_the_checkpoint_untouched(tmp_path):
     corpus, save_dir = write_corpus(tmp_path / "corpus"), tmp_path / "ckpt"
     args = [str(corpus), *TINY, "--save-dir", str(save_dir), "--save-interval-updates", "2", "--disable-validation"]

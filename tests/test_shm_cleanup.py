@@ -8,9 +8,12 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from launch import TINY, env, free_port, run, shm_leftovers, write_corpus
 
 
+@pytest.mark.slow
 def test_a_two_rank_launch_and_a_usage_error_after_start_leave_nothing_in_dev_shm(tmp_path):
     corpus = write_corpus(tmp_path / "corpus")
     args = [str(corpus), *TINY, "--max-update", "2", "--batch-size", "2", "--disable-validation"]
@@ -26,6 +29,7 @@ def test_a_two_rank_launch_and_a_usage_error_after_start_leave_nothing_in_dev_sh
     assert shm_leftovers(port) == []
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_a_two_rank_launch_leaves_nothing_in_dev_shm(tmp_path):
     corpus, port, log = write_corpus(tmp_path / "corpus"), free_port(), tmp_path / "out.txt"
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
