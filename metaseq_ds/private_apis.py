@@ -15,6 +15,7 @@ import functools
 import os
 import warnings
 from importlib import metadata
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
 
 from metaseq_ds.errors import UsageError
@@ -85,6 +86,19 @@ def even_split_tp_meta():
     from deepspeed.module_inject.tp_shard import AutoTPMeta
 
     return AutoTPMeta(tp_grain_size=1)
+
+
+# -- DeepSpeed: the CPU accelerator's shared-memory all-reduce --------------------------------
+
+def shm_allreduce_buffer(rank: int) -> Path:
+    """The file in /dev/shm that DeepSpeed's shared-memory all-reduce op (`csrc/cpu/comm/shm.cpp`,
+    built and initialised by `deepspeed.init_distributed()` when all ranks share one machine)
+    creates for `rank`: ~66 MB, named from the user, MASTER_ADDR and MASTER_PORT, and never
+    unlinked by DeepSpeed. Each rank creates its own and maps every other rank's while it
+    initialises; after that no rank opens one by name again."""
+    require_tested("deepspeed", "the name of csrc/cpu/comm/shm.cpp's all-reduce buffer")
+    address, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    return Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_{address}_{port}_{rank}"
 
 
 # -- DeepSpeed: ZeRO internals -------------------------------------------------------------------

@@ -125,10 +125,13 @@ class Trainer:
             "loss": total_loss / max(global_size, 1.0) / math.log(2),
             "ntokens": global_tokens,
             "nsentences": global_sentences,
+            "sample_size": global_size,
             "lr": lr,
             "gnorm": gnorm,
             "clip": float(clip_norm > 0 and gnorm > clip_norm),
             "train_wall": time.perf_counter() - start,
+            # False when DeepSpeed's overflow check (fp16 loss scaling, bf16) skipped the step.
+            "step_applied": self.engine.was_step_applied(),
         }
 
     @property
