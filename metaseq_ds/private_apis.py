@@ -110,6 +110,30 @@ def zero3_flat_partitions(zero_optimizer) -> List[Tuple[Any, Any]]:
     return list(zip(zero_optimizer.fp32_partitioned_groups_flat, zero_optimizer.fp16_partitioned_groups_flat))
 
 
+def zero12_flat_partitions(zero_optimizer) -> List[Tuple[Any, Any]]:
+    """(fp32 master partition, training-dtype parameter partition) per parameter group of a
+    ZeRO-1/2 optimizer: the flat buffers DeepSpeed steps and copies between."""
+    require_tested("deepspeed", "DeepSpeedZeroOptimizer.single_partition_of_fp32_groups")
+    return [(master, zero_optimizer.parallel_partitioned_bit16_groups[i][_zero12_partition_id(zero_optimizer, i)])
+            for i, master in enumerate(zero_optimizer.single_partition_of_fp32_groups)]
+
+
+def _zero12_partition_id(zero_optimizer, group: int) -> int:
+    import deepspeed.comm as dist
+
+    return dist.get_rank(group=zero_optimizer.real_dp_process_group[group])
+
+
+def relink_zero12_master_fragments(zero_optimizer) -> None:
+    """After a ZeRO-1/2 master partition got new storage: each parameter's view of its fp32
+    fragment (`param._hp_mapping`, what `safe_get_full_fp32_param` and universal checkpoints
+    read) was a view of the old storage; DeepSpeed's own linking makes them again, and the
+    optimizer-state fragments are linked afresh at the first step."""
+    require_tested("deepspeed", "DeepSpeedZeroOptimizer._link_all_hp_params")
+    zero_optimizer._link_all_hp_params()
+    zero_optimizer._hp_optimizer_states_linked = False
+
+
 def zero3_gradient_buffer(zero_optimizer):
     """The flat buffer a ZeRO-3 optimizer keeps this rank's gradient partitions in (memory figures)."""
     require_tested("deepspeed", "DeepSpeedZeroOptimizer_Stage3.grad_partitions_flat_buffer")
