@@ -148,7 +148,7 @@ class CheckpointManager:
         plan = ResumePlan(
             ResumeKind.RESHARD, str(ref.path), ref, meta, read_weights=read,
             client_state=saved_client_state(ref, saved, meta), saved_layout=saved,
-            saved_global_batch=meta.get("global_micro_batch", meta["config"]["dataset"]["batch_size"] * saved.data_parallel_size),
+            saved_global_batch=meta["config"]["dataset"]["batch_size"] * saved.data_parallel_size,
         )
         if not ckpt.reset_dataloader:
             self._data_position(plan)  # a position this layout cannot continue from stops here
@@ -245,7 +245,7 @@ class CheckpointManager:
         else:
             saved = read_optimizer_state(plan.ref)
             if saved is None:
-                carried += f" (no optimizer state read from a {plan.saved_layout} save: Adam restarts)"
+                carried += " (the save holds no optimizer state: Adam restarts)"
             elif restore_optimizer_state(trainer, saved):
                 carried += f", fp32 master weights, Adam moments and step {saved.step}"
         logger.warning(f"resharded {plan.source} (saved by {plan.saved_layout}, now {self.layout}): {carried}, "

@@ -7,15 +7,16 @@ per parameter and consolidated, read from any saved layout and set on an engine 
 One path for every pair of layouts. Reading, chosen by what the checkpoint's meta file says:
 - ZeRO-1/2/3: each tensor-parallel rank's flat partitions, consolidated by DeepSpeed's own
   zero_to_fp32 workers, the moments the same way (`private_apis.zero_checkpoint_values`);
-- ZeRO-0 in fp32: the weights and the torch optimizer's state dict in each tensor-parallel rank's
-  model-states file;
+- ZeRO-0: the torch optimizer's state dict in each tensor-parallel rank's model-states file, with
+  the weights (fp32) or the fp32 copies of DeepSpeed's fp16/bf16 optimizer as master weights;
 - a consolidated checkpoint (`mseq reshard`, `reshard.py`): its safetensors files;
 then the parts of a tensor-parallel save are joined on our partition dimensions (`LazyConcat`).
 Setting, after the weights were materialised from the same checkpoint: the base torch optimizer's
 state is created as its first step would create it (the step, moments of zeros), then each
 parameter's master weights and moments are written through DeepSpeed's public
-`safe_set_full_fp32_param`/`safe_set_full_optimizer_state` (ZeRO-1/2/3, and the bf16 optimizer of
-ZeRO-0: each rank keeps its partition), or into the torch optimizer's state (ZeRO-0 in fp32).
+`safe_set_full_fp32_param`/`safe_set_full_optimizer_state` (ZeRO-1/2/3: each rank keeps its
+partition), or at ZeRO-0 into the parameter (fp32) or its fp32 copy (bf16) and the torch
+optimizer's state.
 Every rank holds one whole parameter at a time, never a state dict.
 
 Why not DeepSpeed's universal checkpoints (`ds_to_universal` + `checkpoint.load_universal`): they
@@ -26,8 +27,7 @@ disk before a run can start. The building blocks used here are the same ones the
 
 Precision: master weights and moments are fp32 in every checkpoint; a bf16 run keeps them fp32
 (its parameters are bf16 copies of the masters), so fp32 and bf16 runs resume from each other's
-checkpoints through this path. A bf16 ZeRO-0 save (DeepSpeed's bf16 optimizer) is not read here:
-its moments restart, with a warning.
+checkpoints through this path.
 """
 
 import logging
@@ -67,7 +67,7 @@ class SavedOptimizerState:
 
 def read_optimizer_state(ref) -> Optional[SavedOptimizerState]:
     """The optimizer state of the checkpoint at `ref` (a `checkpoint_utils.CheckpointRef`), or
-    None where none is saved in a form read here (a bf16 ZeRO-0 save)."""
+    None where it holds none (a save of weights alone)."""
     from metaseq_ds import checkpoint_utils
 
     meta = ref.meta()
@@ -106,12 +106,18 @@ def read_optimizer_state(ref) -> Optional[SavedOptimizerState]:
 
 def _zero0_part(ref, tp_rank: int):
     """({key: {name: tensor}}, step) of one tensor-parallel rank of a ZeRO-0 save (memory-mapped),
-    or None when its file holds no torch optimizer state (the bf16 optimizer keeps its own files)."""
+    or None when its file holds no optimizer state.
+
+    In fp32 the file's "optimizer" is the torch optimizer's state dict and the weights are the
+    masters; in fp16/bf16 it is DeepSpeed's unfused optimizer's: the torch state dict under
+    "optimizer_state_dict" and one fp32 master per parameter, in the same order, in "fp32_groups"."""
     from metaseq_ds.distributed.safe_checkpoint_loading import safe_load
 
     states = safe_load(ref.path / f"mp_rank_{tp_rank:02d}_model_states.pt", map_location="cpu", mmap=True)
-    optimizer = states.get("optimizer")
-    if not optimizer or "state" not in optimizer or not optimizer["state"]:
+    optimizer = states.get("optimizer") or {}
+    copies = [master for group in optimizer.get("fp32_groups", ()) for master in group]
+    optimizer = optimizer.get("optimizer_state_dict", optimizer)
+    if not optimizer.get("state"):
         return None
     buffers = set(states.get("buffer_names", ()))
     # The optimizer's parameters are the model's, in `named_parameters()` order: the module's
@@ -126,11 +132,16 @@ def _zero0_part(ref, tp_rank: int):
     state = optimizer["state"]
     first = {}
     for name, position in names.items():
-        first.setdefault(position, states["module"][name])
+        first.setdefault(position, copies[position] if copies else states["module"][name])
     values = {MASTER: {name: first[position] for name, position in names.items()}}  # a tied weight is one object
     for moment in MOMENTS:
         values[moment] = {name: state[indices[position]][moment] for name, position in names.items()}
-    return values, int(state[indices[0]]["step"])
+    step = int(state[indices[0]]["step"])
+    if copies:
+        from metaseq_ds.private_apis import unfused_optimizer_construction_steps
+
+        step -= unfused_optimizer_construction_steps()  # Adam's steps on real gradients
+    return values, step
 
 
 def restore_optimizer_state(trainer, saved: SavedOptimizerState) -> bool:
@@ -140,17 +151,26 @@ def restore_optimizer_state(trainer, saved: SavedOptimizerState) -> bool:
 
     from metaseq_ds.distributed import utils as dist_utils
     from metaseq_ds.distributed.tensor_parallel import partition_dim
-    from metaseq_ds.private_apis import link_optimizer_state_fragments
+    from metaseq_ds.private_apis import (
+        link_optimizer_state_fragments,
+        unfused_fp32_masters,
+        unfused_optimizer_construction_steps,
+        zero3_flat_partitions,
+    )
 
     base = trainer.optimizer.optimizer
     if not isinstance(base, ADAM_CLASSES):
         logger.warning(f"--optimizer {trainer.cfg.optimizer._name} ({type(base).__name__}): only Adam's state is "
                        f"carried across layouts; the optimizer state restarts")
         return False
-    _create_state(base, saved.step)
     engine = trainer.engine
-    partitioned = engine.optimizer is not base  # a ZeRO (or bf16) optimizer holds the master weights
-    if partitioned:
+    copies = unfused_fp32_masters(engine.optimizer)  # ZeRO-0 in bf16: an fp32 copy per parameter
+    # ZeRO-3 hands its flat fp32 partitions to the base optimizer only while it steps.
+    stepped = ([master for master, _ in zero3_flat_partitions(engine.optimizer)] if engine.zero_optimization_stage() == 3
+               else [param for group in base.param_groups for param in group["params"]])
+    # An unbroken run of the unfused optimizer counts its construction step too.
+    _create_state(base, stepped, saved.step + (unfused_optimizer_construction_steps() if copies else 0))
+    if engine.optimizer is not base:
         link_optimizer_state_fragments(engine.optimizer)
     tp_rank = dist_utils.get_tensor_model_parallel_rank()
     tp_size = dist_utils.get_tensor_model_parallel_world_size()
@@ -166,30 +186,33 @@ def restore_optimizer_state(trainer, saved: SavedOptimizerState) -> bool:
             if whole is None:
                 continue
             value = whole if dim is None else whole.chunk(tp_size, dim=dim)[tp_rank].contiguous()
-            if partitioned:
+            if hasattr(param, "ds_id") or hasattr(param, "_hp_mapping"):  # ZeRO-1/2/3: this rank's partition
                 if key == MASTER:
                     safe_set_full_fp32_param(param, value)
                 else:
                     safe_set_full_optimizer_state(param, value, key)
-            elif key == MASTER:
-                param.data.copy_(value)
+                continue
+            master = copies.get(id(param), param)
+            if key == MASTER:
+                master.data.copy_(value)
             else:
-                base.state[param][key].copy_(value)
+                base.state[master][key].copy_(value)
     return True
 
 
-def _create_state(optimizer: torch.optim.Optimizer, step: int) -> None:
-    """The state torch's Adam creates at its first step (moments of zeros), at step `step`."""
-    for group in optimizer.param_groups:
-        if group.get("amsgrad"):
-            raise UsageError("--amsgrad: its state (max_exp_avg_sq) is not carried across layouts")
-        on_device = group.get("fused") or group.get("capturable")
-        for param in group["params"]:
-            optimizer.state[param] = {
-                "step": torch.tensor(float(step), dtype=torch.float32, device=param.device if on_device else "cpu"),
-                "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
-                "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
-            }
+def _create_state(optimizer: torch.optim.Optimizer, stepped, step: int) -> None:
+    """The state torch's Adam creates at its first step (moments of zeros) for each tensor it
+    steps (`stepped`), at step `step`."""
+    group = optimizer.param_groups[0]  # DeepSpeed keeps one group's options for all
+    if group.get("amsgrad"):
+        raise UsageError("--amsgrad: its state (max_exp_avg_sq) is not carried across layouts")
+    on_device = group.get("fused") or group.get("capturable")
+    for param in stepped:
+        optimizer.state[param] = {
+            "step": torch.tensor(float(step), dtype=torch.float32, device=param.device if on_device else "cpu"),
+            "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+            "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+        }
 
 
 def _whole_value(saved: SavedOptimizerState, key: str, name: str, full_shape) -> Optional[torch.Tensor]:

@@ -189,6 +189,26 @@ def link_optimizer_state_fragments(zero_optimizer) -> None:
         link()
 
 
+def unfused_fp32_masters(optimizer) -> Dict[int, Any]:
+    """{id(model parameter): its fp32 master} of DeepSpeed's fp16/bf16 optimizer at ZeRO-0
+    (`FP16_UnfusedOptimizer`), empty for any other optimizer. That wrapper keeps one fp32 copy per
+    parameter, `fp32_groups[i][j]` for `fp16_groups[i][j]`, and the base optimizer steps the copies."""
+    require_tested("deepspeed", "FP16_UnfusedOptimizer.fp16_groups/fp32_groups")
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    if not isinstance(optimizer, FP16_UnfusedOptimizer):
+        return {}
+    return {id(param): master for params, masters in zip(optimizer.fp16_groups, optimizer.fp32_groups)
+            for param, master in zip(params, masters)}
+
+
+def unfused_optimizer_construction_steps() -> int:
+    """Steps the base optimizer of `FP16_UnfusedOptimizer` takes when it is built (one, on zero
+    gradients, to create its state): its step count runs that far ahead of the updates."""
+    require_tested("deepspeed", "FP16_UnfusedOptimizer.initialize_optimizer_states")
+    return 1
+
+
 def checkpoint_file_classes() -> List[type]:
     """The few DeepSpeed classes pickled into its checkpoint files besides tensors and containers
     (loss scalers, the ZeRO stage enum, fragment addresses): what a weights-only load must accept."""

@@ -11,8 +11,9 @@ OUT holds one layout-free checkpoint, read by `mseq train` (`optimizer_state`), 
     OUT/checkpoint_<epoch>_<updates>/exp_avg.safetensors      Adam's first moment, same names
     OUT/checkpoint_<epoch>_<updates>/exp_avg_sq.safetensors   Adam's second moment
     OUT/checkpoint_<epoch>_<updates>/client_state.pt          update count, LR schedule, meters, data position
-    OUT/checkpoint_<epoch>_<updates>/metaseq_ds.json          the run's config, "consolidated": true, Adam's
-                                                              step, tied names, the target layout
+    OUT/checkpoint_<epoch>_<updates>/metaseq_ds.json          the saving run's meta (config, layout), and
+                                                              "consolidated": true, Adam's step, tied names,
+                                                              the target layout
     OUT/checkpoint_last
 
 Why not the files DeepSpeed would write for the target layout: those are each stage's private
@@ -63,8 +64,8 @@ def reshard(checkpoint: str, out: str, ranks: int, tensor_parallel_size: int, ze
     check_free(Path(out))
     state = read_optimizer_state(ref)
     if state is None:
-        raise UsageError(f"CKPT {ref.path}: a save by {saved} keeps its optimizer state in DeepSpeed's bf16-optimizer "
-                         f"files, which are not read here; resume it on its own layout, or reshard a save at ZeRO-1/2/3")
+        raise UsageError(f"CKPT {ref.path} holds no optimizer state (a save of weights alone): give it to "
+                         f"mseq train --restore-file as it is")
     client_state = saved_client_state(ref, saved, meta)
 
     names, tied = _unique_names(state.values("exp_avg"))  # parameters only, as the optimizer holds them
@@ -77,12 +78,11 @@ def reshard(checkpoint: str, out: str, ranks: int, tensor_parallel_size: int, ze
                                      lambda value=values[name]: value.contiguous().float()) for name in names]
             write_file(target_ref.path / f"{key}.safetensors", pending, {"format": "pt"})
         torch.save(client_state, target_ref.path / CLIENT_STATE)
-        global_micro_batch = meta.get("global_micro_batch", meta["config"]["dataset"]["batch_size"] * saved.data_parallel_size)
-        resharded = {key: value for key, value in meta.items() if key != "partition_dims"}
+        # The layout fields stay the saving run's ("saved by", and the unit of its data position).
         checkpoint_utils.write_meta(target_ref, {
-            **resharded, "consolidated": True, "world_size": target.world_size, "zero_stage": target.zero_stage,
-            "tensor_parallel_size": target.tensor_parallel_size, "optimizer_step": state.step, "tied": tied,
-            "global_micro_batch": global_micro_batch, "resharded_from": {"path": str(ref.path), "layout": str(saved)},
+            **meta, "consolidated": True, "optimizer_step": state.step, "tied": tied, "resharded_from": str(ref.path),
+            "target_layout": {"world_size": target.world_size, "zero_stage": target.zero_stage,
+                              "tensor_parallel_size": target.tensor_parallel_size},
         })
         checkpoint_utils.mark_last(target_ref)
     logger.info(f"resharded {ref.path} (saved by {saved}) for {target}: {len(names)} parameters, Adam step {state.step}")
