@@ -63,7 +63,8 @@ def test_zero3_save_resumes_on_one_rank_zero0_and_on_zero1_as_an_unbroken_run(co
     shutil.copytree(zero3, tmp_path / "bf16")
     bf16 = run(common + ["--batch-size", "4", "--update-freq", "2", "--bf16", "--save-dir", str(tmp_path / "bf16")])
     assert "now 1 rank(s) with ZeRO-0 in bf16" in bf16.stderr + bf16.stdout
-    assert _gap(unbroken, losses(bf16.stdout), [4]) <= 1e-2  # bf16 forward of the same weights
+    # bf16 rounding only: the moments and step came along (the --reset-optimizer run is 1.3e-2 off at update 6).
+    assert _gap(unbroken, losses(bf16.stdout), [4, 5, 6]) <= 6e-3
 
 
 # ---- mseq reshard: bad input -----------------------------------------------------------------
