@@ -148,9 +148,14 @@ def lazy_model_weights(ref: CheckpointRef) -> Dict[str, Any]:
     converts one tensor at a time never holds two copies of the model. Tied weights are the
     same object under both names. Values keep their saved dtype (a bf16 run's module is bf16,
     ZeRO's master weights are fp32). A tensor-parallel save is merged by its partition
-    metadata: each sharded tensor is the concatenation of its ranks' shards.
+    metadata: each sharded tensor is the concatenation of its ranks' shards. A consolidated
+    checkpoint (`mseq reshard`) holds whole tensors already.
     """
     meta = ref.meta()
+    if meta.get("consolidated"):  # `mseq reshard` output: whole fp32 master weights
+        from metaseq_ds.reshard import consolidated_values
+
+        return consolidated_values(ref, "fp32")
     size = meta.get("tensor_parallel_size", 1)
     parts = [_tensor_parallel_part(ref, meta["zero_stage"], tp_rank) for tp_rank in range(size)]
     if size == 1:
