@@ -74,6 +74,7 @@ def materialize(model: nn.Module, values: ParameterValues, zero3_config: Optiona
     if device is None:
         device = _training_device()
     produces = zero3_config is None or dist_utils.get_data_parallel_rank() == 0
+    dtype = _zero3_training_dtype(zero3_config)
     made: Dict[int, nn.Parameter] = {}
     for module_name, module in model.named_modules():
         fresh = []
@@ -92,7 +93,7 @@ def materialize(model: nn.Module, values: ParameterValues, zero3_config: Optiona
                 value = values.shard(name, full_shape, dim, tp_rank, tp_size)
             else:
                 value = torch.empty(param.shape)
-            new = nn.Parameter(value.to(device=device, dtype=param.dtype), requires_grad=param.requires_grad)
+            new = nn.Parameter(value.to(device=device, dtype=dtype or param.dtype), requires_grad=param.requires_grad)
             new.__dict__.update(param.__dict__)  # DeepSpeed's TP layers mark their parameters
             made[id(param)] = module._parameters[leaf] = new
             fresh.append(new)
@@ -100,6 +101,19 @@ def materialize(model: nn.Module, values: ParameterValues, zero3_config: Optiona
             _partition(fresh, zero3_config)
     if produces:
         values.check_all_used([name for name, _ in model.named_parameters(remove_duplicate=False)])
+
+
+def _zero3_training_dtype(zero3_config: Optional[Dict[str, Any]]) -> Optional[torch.dtype]:
+    """ZeRO-3 partitions hold the training dtype, and `zero.Init(module=...)` keeps the dtype it is
+    given (only modules built under it are cast), so bf16/fp16 parameters are made so here. Other
+    stages keep fp32 parameters: DeepSpeed's engine casts the module itself."""
+    if zero3_config is None:
+        return None
+    if zero3_config.get("bf16", {}).get("enabled"):
+        return torch.bfloat16
+    if zero3_config.get("fp16", {}).get("enabled"):
+        return torch.float16
+    return None
 
 
 def _partition(params, zero3_config: Dict[str, Any]) -> None:
