@@ -106,6 +106,25 @@ def generate(
 
 
 @app.command()
+def serve(
+    path: str = typer.Option(..., "--path", help="checkpoint: a save dir (its last checkpoint) or a checkpoint_* dir"),
+    host: str = typer.Option("127.0.0.1", "--host", help="address to listen on (0.0.0.0: every interface; give an --api-key then)"),
+    port: int = typer.Option(6010, "--port", min=0, max=65535, help="TCP port (0: any free port; the address is printed)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MSEQ_API_KEY",
+                                          help="require 'Authorization: Bearer KEY' on every route but /health"),
+    max_batch_tokens: int = typer.Option(16384, "--max-batch-tokens", min=1, max=2**31 - 1,
+                                         help="decode at most this many KV-cache positions per batch "
+                                              "(sequences x (longest prompt + most new tokens)); larger requests are refused"),
+    max_request_bytes: int = typer.Option(1048576, "--max-request-bytes", min=1024, max=2**30,
+                                          help="refuse request bodies larger than this (HTTP 413)"),
+) -> None:
+    """Serve a checkpoint over HTTP: metaseq's hosted API, OpenAI-compatible completions, batched."""
+    from metaseq_ds.cli import serve as serve_module
+
+    run_guarded("serve", serve_module.main, path, host, port, api_key, max_batch_tokens, max_request_bytes)
+
+
+@app.command()
 def migrate(
     paths: List[str] = typer.Argument(..., help="files or directories to migrate (in place)"),
     diff: bool = typer.Option(False, "--diff", help="print a unified diff and write nothing"),
