@@ -287,8 +287,13 @@ class SequenceGenerator(nn.Module):
             if self.options.temperature == 0:
                 chosen = allowed.argmax(dim=-1)  # (A,)
             else:
-                # log-probs differ from the logits by a constant per row: same softmax.
-                masked = top_k_mask(allowed / self.options.temperature, self.options.top_k)
+                # log-probs differ from the logits by a constant per row: same softmax. Each row is
+                # shifted to a maximum of 0 and scaled by a finite 1 / temperature, so that a tiny
+                # temperature leaves its best token at 0 and sends the others to -inf (greedy), not
+                # every token to -inf (a NaN softmax).
+                shifted = allowed - allowed.max(dim=-1, keepdim=True).values
+                scaled = shifted * min(1 / self.options.temperature, torch.finfo(shifted.dtype).max)
+                masked = top_k_mask(scaled, self.options.top_k)
                 masked = top_p_mask(masked, self.options.top_p)
                 chosen = torch.multinomial(masked.softmax(dim=-1), 1, generator=rng).squeeze(1)
             chosen_scores = lprobs.gather(1, chosen[:, None]).squeeze(1).tolist()

@@ -1,5 +1,6 @@
-"""Decoding several requests in one batch: the KV cache is allocated once and written in place,
-and each prompt keeps its own min/max new tokens (greedy, beam search) as if decoded alone."""
+"""Decoding as the server does it: several requests in one batch (the KV cache allocated once and
+written in place, each prompt with its own min/max new tokens, as if decoded alone), and any
+temperature a request may give."""
 
 import pytest
 import torch
@@ -69,3 +70,11 @@ def test_each_prompt_keeps_its_own_limits_in_one_batch(model, beams):
         assert all(least <= len(h["tokens"]) <= most for h in hypos)
         reasons |= {h["finish_reason"] for h in hypos}
     assert reasons == {"eos", "length"}  # rows ended both ways, at their own limits
+
+
+def test_a_temperature_too_small_for_float32_samples_the_greedy_tokens(model):
+    prompts = _prompts(5)
+    greedy = SequenceGenerator([model], FrequentEosDictionary(), temperature=0, max_new_tokens=6)
+    tiny = SequenceGenerator([model], FrequentEosDictionary(), temperature=1e-300, max_new_tokens=6, seed=1)
+    expected = [h[0]["tokens"].tolist() for h in greedy.generate([model], prompts)]
+    assert [h[0]["tokens"].tolist() for h in tiny.generate([model], prompts)] == expected

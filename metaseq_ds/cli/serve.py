@@ -70,6 +70,7 @@ def serve(interface, runner, listener: socket.socket, model_name: str, api_key: 
 
     app, batcher = build_app(interface, runner, model_name, api_key, max_batch_tokens, max_request_bytes)
     host, port = listener.getsockname()[:2]
+    listener.listen(2048)  # from here connections queue until uvicorn accepts them: the address is usable
     print(f"mseq serve: {model_name} on http://{host}:{port} (POST /v1/completions; "
           f"{'API key required' if api_key else 'no API key'})", flush=True)
     # uvicorn stops gracefully on SIGINT and SIGTERM, then raises the signal again for the handler
