@@ -3,8 +3,9 @@
     manager = CheckpointManager(cfg, layout)      # this run's ranks, ZeRO stage, tensor-parallel degree
     plan = manager.plan()                          # before the model exists: what we resume from, checked
     cfg = manager.resolve_config(plan)             # with what the checkpoint settles (options.resolve)
-    manager.load_weights(plan, model)              # into the plain model, before TP and ZeRO shard it
-    ... parallelize, Trainer (the DeepSpeed engine) ...
+    model = build_model(cfg, task, criterion,       # distributed.materialize: each rank only its part
+                        lambda model: manager.parameter_values(plan, model), zero3_config)
+    ... Trainer (the DeepSpeed engine) ...
     manager.restore(plan, trainer, epoch_itr)      # engine state, trainer state, data position
     manager.save(trainer, epoch_itr)               # `checkpoint_last` moves only once every rank wrote
 
@@ -92,8 +93,8 @@ class ResumePlan:
     source: str = ""
     ref: Optional[checkpoint_utils.CheckpointRef] = None
     meta: Dict[str, Any] = field(default_factory=dict)
-    # WEIGHTS and RESHARD: the full weights, read when they are loaded into the model.
-    read_weights: Optional[Callable[[], Dict[str, torch.Tensor]]] = None
+    # WEIGHTS and RESHARD: the weights, each read (lazily) when the model's parameters are made.
+    read_weights: Optional[Callable[[], Dict[str, Any]]] = None
     # RESHARD: the saved trainer state and data position (DeepSpeed's "client state"), and the
     # global micro-batch the data position counts in.
     client_state: Optional[Dict[str, Any]] = None
@@ -167,17 +168,17 @@ class CheckpointManager:
 
     # -- restoring -------------------------------------------------------------------------------
 
-    def load_weights(self, plan: ResumePlan, model: torch.nn.Module) -> None:
-        """WEIGHTS and RESHARD: the full weights into the plain model, before tensor parallelism
-        and ZeRO partition it (they then split these values)."""
+    def parameter_values(self, plan: ResumePlan, model: torch.nn.Module):
+        """Where the model's parameters get their values (`distributed.materialize`): the saved
+        weights (WEIGHTS, RESHARD: read tensor by tensor, each rank only its part), else the
+        model's initial values (FRESH, EXACT: DeepSpeed then loads its own state). None for a
+        model built whole with nothing to load (its constructor initialised it)."""
+        from metaseq_ds.models.initialization import InitialValues
+
+        initial = InitialValues(model, model.init_seed) if model.init_seed is not None else None
         if plan.read_weights is None:
-            return
-        weights = plan.read_weights()
-        try:
-            model.load_state_dict(_fit_vocabulary_rows(weights, model.state_dict()))
-        except RuntimeError as error:
-            detail = " ".join(str(error).split())[:300]
-            raise UsageError(f"--restore-file {plan.source}: its weights do not fit this model ({detail})") from None
+            return initial
+        return checkpoint_utils.CheckpointValues(plan.read_weights(), f"--restore-file {plan.source}", initial)
 
     def restore(self, plan: ResumePlan, trainer, epoch_itr) -> None:
         """The training state the plan carries, into the engine, the trainer and the data iterator."""
@@ -250,8 +251,8 @@ class CheckpointManager:
         self.save(trainer, epoch_itr)
 
 
-def _reader(ref: checkpoint_utils.CheckpointRef) -> Callable[[], Dict[str, torch.Tensor]]:
-    return lambda: checkpoint_utils.load_model_weights(ref)
+def _reader(ref: checkpoint_utils.CheckpointRef) -> Callable[[], Dict[str, Any]]:
+    return lambda: checkpoint_utils.lazy_model_weights(ref)
 
 
 def _saved_client_state(ref: checkpoint_utils.CheckpointRef, saved: Layout) -> Dict[str, Any]:
@@ -261,19 +262,3 @@ def _saved_client_state(ref: checkpoint_utils.CheckpointRef, saved: Layout) -> D
     states_file = "zero_pp_rank_0_mp_rank_00_model_states.pt" if saved.zero_stage == 3 else "mp_rank_00_model_states.pt"
     states = safe_load(ref.path / states_file, map_location="cpu", mmap=True)
     return {key: states[key] for key in ("num_updates", "lr_scheduler", "metrics", "rng", "iterator")}
-
-
-def _fit_vocabulary_rows(weights: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """Saved vocabulary rows into a model padded to more rows (a larger tensor-parallel degree pads
-    the vocabulary to a multiple of 8*N): the extra rows are padding symbols and keep their fresh init."""
-    fitted = dict(weights)
-    for name in ("decoder.embed_tokens.weight", "decoder.output_projection.weight"):
-        saved, wanted = weights.get(name), expected.get(name)
-        if saved is None or wanted is None or saved.shape[1:] != wanted.shape[1:] or saved.shape[0] >= wanted.shape[0]:
-            continue
-        grown = wanted.clone()
-        grown[: saved.shape[0]] = saved
-        fitted[name] = grown
-        logger.warning(f"{name}: {saved.shape[0]} saved vocabulary rows, {wanted.shape[0]} now; "
-                       f"the {wanted.shape[0] - saved.shape[0]} new padding rows keep their initial values")
-    return fitted

@@ -55,12 +55,8 @@ class GeneratorInterface:
                 from metaseq_ds.distributed import utils as dist_utils
 
                 dist_utils.init_distributed(tensor_parallel_size=ranks)
+            # Under a launcher each rank builds its tensor-parallel shard and reads only its part.
             cfg, self.task, self.model, ref = checkpoint_utils.load_model_for_inference(self.path, need_data=False)
-            if ranks > 1:
-                from metaseq_ds.distributed.tensor_parallel import apply_tensor_parallel, check_divisible
-
-                check_divisible(cfg.model, ranks, source="the number of ranks,")
-                apply_tensor_parallel(self.model, gather_logits=True)
             # Loaded here for generation only: inference mode and the decoding weight layout.
             self.model.make_generation_fast_()
             logger.info("loaded %s", ref.path)

@@ -175,6 +175,8 @@ class TrainArgumentParser:
             raise UsageError(f"{self.config_file}: unknown key {key!r}{closest(key, self.owner)}")
         explicit = self._with_demo({**self.file_values, **cli_values})
         for name, reason in METASEQ_ONLY_FLAGS.items():
+            if name == "distributed_world_size" and explicit.get("dry_run"):
+                continue  # --dry-run plans for that many ranks
             if explicit.get(name):
                 warnings.warn(reason, stacklevel=2)
         return build_config(self.section_classes, explicit, arch=self.choice["arch"])

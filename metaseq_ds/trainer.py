@@ -26,7 +26,6 @@ import torch
 
 from metaseq_ds.dataclass import MetaseqConfig
 from metaseq_ds.distributed import utils as dist_utils
-from metaseq_ds.distributed.deepspeed_config import build_deepspeed_config
 from metaseq_ds.distributed.safe_checkpoint_loading import use_weights_only_loading
 from metaseq_ds.errors import UsageError
 from metaseq_ds.logging import metrics
@@ -58,7 +57,7 @@ def check_sample_size(criterion, declared: float, returned) -> None:
 
 
 class Trainer:
-    def __init__(self, cfg: MetaseqConfig, task, model: torch.nn.Module, criterion):
+    def __init__(self, cfg: MetaseqConfig, task, model: torch.nn.Module, criterion, ds_config: Dict[str, Any]):
         import deepspeed
 
         self.cfg, self.task, self.criterion = cfg, task, criterion
@@ -68,10 +67,7 @@ class Trainer:
         self.data_parallel_size = dist_utils.get_data_parallel_world_size()
         self.data_parallel_rank = dist_utils.get_data_parallel_rank()
         self.data_parallel_group = dist_utils.get_data_parallel_group()
-        accelerator = deepspeed.get_accelerator()
-        self.ds_config = build_deepspeed_config(
-            cfg, self.world_size, fp16_supported=accelerator.is_fp16_supported()
-        )
+        self.ds_config = ds_config
         self.optimizer = build_optimizer(cfg.optimizer, [p for p in model.parameters() if p.requires_grad])
         # With tensor parallelism DeepSpeed's group registry is the mpu: the engine then counts
         # data-parallel ranks in its batch arithmetic and reduces ZeRO's gradients over them.

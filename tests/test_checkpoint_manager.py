@@ -10,6 +10,7 @@ import torch
 from convert_helpers import TINY_MODEL, build_model
 from metaseq_ds.checkpoint_manager import CheckpointManager, Layout, ResumeKind
 from metaseq_ds.checkpoint_utils import write_module_checkpoint
+from metaseq_ds.distributed.materialize import materialize
 from metaseq_ds.errors import UsageError
 from metaseq_ds.options import parse_train_config
 
@@ -46,7 +47,7 @@ def test_the_same_layout_resumes_exactly_and_another_reshards(tmp_path):
     assert plan.saved_layout == Layout(2, 0, 1) and plan.saved_global_batch == 2 * cfg.dataset.batch_size
     assert plan.client_state["num_updates"] == 5 and plan.client_state["iterator"]["iterations_in_epoch"] == 7
     model = build_model(cfg.model, seed=123)
-    CheckpointManager(cfg, Layout(2, 3, 1)).load_weights(plan, model)
+    materialize(model, CheckpointManager(cfg, Layout(2, 3, 1)).parameter_values(plan, model))
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), build_model(cfg.model).state_dict().values()))
 
 

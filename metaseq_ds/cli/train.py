@@ -6,8 +6,9 @@
     torchrun --nproc_per_node 2 -m metaseq_ds.cli.train DATA ...
 
 This module is the wiring and the loop: config (`options`) -> process groups -> what to resume
-from (`CheckpointManager.plan`) -> task, plain model, weights -> `parallelize` -> `Trainer`
-(the DeepSpeed engine) -> restore -> train, validate, save.
+from (`CheckpointManager.plan`) -> task -> the model, built on the meta device, sharded and
+materialised rank by rank (`distributed.materialize`) -> `Trainer` (the DeepSpeed engine) ->
+restore -> train, validate, save.
 """
 
 import logging
@@ -48,12 +49,17 @@ def _fail(error: UsageError) -> None:
 
 
 def main(cfg) -> None:
+    if cfg.common.dry_run:
+        dry_run(cfg)
+        return
+    import deepspeed
     import torch
 
     from metaseq_ds import tasks
     from metaseq_ds.checkpoint_manager import CheckpointManager, Layout
     from metaseq_ds.distributed import utils as dist_utils
-    from metaseq_ds.distributed.parallelize import parallelize
+    from metaseq_ds.distributed.deepspeed_config import build_deepspeed_config
+    from metaseq_ds.distributed.materialize import build_model
     from metaseq_ds.distributed.tensor_parallel import check_world, tensor_parallel_size
     from metaseq_ds.logging.progress_bar import StatsSink, setup_logging
     from metaseq_ds.trainer import Trainer
@@ -72,16 +78,16 @@ def main(cfg) -> None:
     if cfg.dataset.demo:
         _build_demo_corpus(Path(cfg.task.data), rank)
 
-    torch.manual_seed(cfg.common.seed)  # identical initial weights on every rank
+    torch.manual_seed(cfg.common.seed)  # the same initial weights whatever the layout
     task = tasks.setup_task(cfg.task)
-    model = task.build_model(cfg.model)
-    checkpoints.load_weights(plan, model)  # into the plain model, before TP/ZeRO touch it
     criterion = task.build_criterion(cfg.criterion)
-    model = parallelize(model, cfg, criterion)
-    n_params = sum(p.numel() for p in model.parameters())
-    logger.info(f"model {cfg.arch}: {n_params:,} parameters (on this rank); {world_size} rank(s)"
-                + (f" = {dp_size} data-parallel x {tp_size} tensor-parallel" if tp_size > 1 else ""))
-    trainer = Trainer(cfg, task, model, criterion)
+    ds_config = build_deepspeed_config(cfg, world_size, fp16_supported=deepspeed.get_accelerator().is_fp16_supported())
+    zero3_config = ds_config if ds_config["zero_optimization"]["stage"] == 3 else None
+    model = build_model(cfg, task, criterion, lambda model: checkpoints.parameter_values(plan, model), zero3_config)
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: before partitioning
+    logger.info(f"model {cfg.arch}: {n_params:,} parameters (on this rank's tensor-parallel share); {world_size} "
+                f"rank(s)" + (f" = {dp_size} data-parallel x {tp_size} tensor-parallel" if tp_size > 1 else ""))
+    trainer = Trainer(cfg, task, model, criterion, ds_config)
     logger.info(f"DeepSpeed: ZeRO stage {trainer.zero_stage}, micro-batch {cfg.dataset.batch_size}, "
                 f"update-freq {cfg.optimization.update_freq}, bf16 {trainer.ds_config['bf16']['enabled']}")
 
@@ -99,6 +105,16 @@ def main(cfg) -> None:
         sink.close()
     if rank == 0:
         _print_next_steps(cfg, last_valid)
+
+
+def dry_run(cfg) -> None:
+    """`--dry-run`: the per-rank memory plan of these flags (`distributed.memory_plan`)."""
+    from metaseq_ds.distributed.memory_plan import describe, plan_memory
+    from metaseq_ds.distributed.tensor_parallel import check_world, tensor_parallel_size
+
+    world_size = cfg.distributed_training.distributed_world_size or int(os.environ.get("WORLD_SIZE", "1"))
+    check_world(tensor_parallel_size(cfg), world_size)
+    print("\n".join(describe(plan_memory(cfg, world_size), cfg.arch)), flush=True)
 
 
 def train_loop(cfg, task, trainer, epoch_itr, checkpoints, sink):

@@ -76,7 +76,7 @@ def write_weights_only_checkpoint(
     check_tokenizer_fits({field: str(path) for field, path in tokenizer_files.items()}, vocab_size, source)
     cfg = run_config(model_fields, tokenizer, vocab_size)
     converted: Dict[int, torch.Tensor] = {}  # by identity: a tied weight stays one tensor
-    state_dict = {name: converted.setdefault(id(t), t.float().contiguous()) for name, t in state_dict.items()}
+    state_dict = {name: converted.setdefault(id(t), t.contiguous().float()) for name, t in state_dict.items()}
     check_state_dict(cfg, state_dict, vocab_size, source)
     notes = [] if tokenizer_files else [
         f"{source} has no tokenizer files: the checkpoint uses the byte tokenizer; for text in and out, "

@@ -36,6 +36,11 @@ class CommonConfig(MetaseqDataclass):
     user_dir: Optional[str] = field(
         default=None, metadata={"help": "a Python package of plugins (models, tasks, ...) to import before parsing"}
     )
+    dry_run: bool = field(
+        default=False,
+        metadata={"help": "print what each rank will hold (weights, gradients, optimizer, activations) for "
+                          "--distributed-world-size ranks and exit; nothing is built or started"},
+    )
     progress_bar: Literal["auto", "rich", "none"] = field(
         default="auto", metadata={"help": "rich progress bar: auto = only when stdout is a terminal"}
     )
@@ -71,7 +76,9 @@ class DistributedTrainingConfig(MetaseqDataclass):
     )
     local_rank: int = field(default=-1, metadata={"help": "set by the deepspeed launcher; not for users"})
     distributed_world_size: Optional[int] = field(
-        default=None, metadata={"help": "metaseq flag; the launcher decides the world size here (a mismatch is an error)"}
+        default=None,
+        metadata={"help": "metaseq flag; the launcher decides the world size here (a mismatch is an error); "
+                          "with --dry-run, the number of ranks to plan for"}
     )
 
 

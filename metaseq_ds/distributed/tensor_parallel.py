@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 from metaseq_ds.errors import UsageError
 
 if TYPE_CHECKING:  # torch loads only when a model is sharded: flag checks stay instant
-    import torch
     from torch import nn
 
 TP_PLAN = (
@@ -95,6 +94,11 @@ def partition_dim(param_name: str) -> Optional[int]:
     return None if style is None else PARTITION_DIMS[style].get(leaf)
 
 
+def is_vocabulary_parameter(param_name: str) -> bool:
+    """Whether `param_name` has a row per vocabulary entry (the embedding and output projection)."""
+    return _planned_style(param_name.rpartition(".")[0]) in ("vocab_head", "vocab_embedding")
+
+
 def partition_dims(state_dict_keys) -> Dict[str, int]:
     """The sharded parameters of a checkpoint and their split dimension (its merge metadata)."""
     return {name: dim for name in state_dict_keys if (dim := partition_dim(name)) is not None}
@@ -118,15 +122,6 @@ def merge_shards(shards: List[Dict[str, Any]], dims: Dict[str, int], concat=None
             by_identity[id(first)] = first if dim is None else concat([shard[name] for shard in shards], dim)
         merged[name] = by_identity[id(first)]
     return merged
-
-
-def local_shards(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """This rank's slices of full weights, for a model that is sharded already."""
-    from metaseq_ds.distributed import utils as dist_utils
-
-    size, rank = dist_utils.get_tensor_model_parallel_world_size(), dist_utils.get_tensor_model_parallel_rank()
-    return {name: value if (dim := partition_dim(name)) is None else value.chunk(size, dim=dim)[rank]
-            for name, value in state_dict.items()}
 
 
 def apply_tensor_parallel(model: nn.Module, gather_logits: bool = True) -> nn.Module:
