@@ -271,7 +271,7 @@ class SequenceGenerator(nn.Module):
 
     # -- greedy and sampling ------------------------------------------------------------------
 
-    def _sample(self, tokens, state, lprobs, limits: "Limits", device, stream) -> List[List[Hypothesis]]:
+    def _sample(self, tokens, state, lprobs, limits: Limits, device, stream) -> List[List[Hypothesis]]:
         batch = tokens.size(0)
         rows = list(range(batch))  # the batch index of each row still decoding
         new_tokens: List[List[int]] = [[] for _ in range(batch)]
@@ -334,7 +334,7 @@ class SequenceGenerator(nn.Module):
 
     # -- beam search --------------------------------------------------------------------------
 
-    def _beam_search(self, tokens, state, lprobs, limits: "Limits") -> List[List[Hypothesis]]:
+    def _beam_search(self, tokens, state, lprobs, limits: Limits) -> List[List[Hypothesis]]:
         batch, n, device = tokens.size(0), self.options.beams, tokens.device
         expand = torch.arange(batch, device=device).repeat_interleave(n)  # every prompt n times
         tokens, lprobs = tokens.index_select(0, expand), lprobs.index_select(0, expand)

@@ -128,13 +128,21 @@ def test_openai_client_gets_mseq_generates_completions(checkpoint, server, case,
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_a_multi_token_stop_string_ends_the_completion_before_it(checkpoint, server, stream):
-    free_text = _generate(checkpoint, PROMPTS[:1], dict(temperature=0, max_tokens=20))[0]["text"]
-    start = next(i for i in range(3, len(free_text) - 2)
-                 if free_text.find(free_text[i:i + 2]) == i and free_text[i:i + 2].isascii())
-    stop = free_text[start:start + 2]  # two byte tokens, first seen at `start`
+    # Two byte tokens first seen past the start of a prompt's free completion (which prompt has
+    # one depends on the random weights).
+    for prompt in PROMPTS:
+        free_text = _generate(checkpoint, [prompt], dict(temperature=0, max_tokens=20))[0]["text"]
+        starts = [i for i in range(3, len(free_text) - 2)
+                  if free_text.find(free_text[i:i + 2]) == i and free_text[i:i + 2].isascii()]
+        if starts:
+            break
+    else:
+        raise AssertionError("no prompt's free completion has a two-token stop string to test")
+    start = starts[0]
+    stop = free_text[start:start + 2]
     fields = dict(temperature=0, max_tokens=20, stop=[stop, "never seen"])
-    choices, _ = _complete(server.url, PROMPTS[:1], fields, stream)
-    _assert_same(choices, _generate(checkpoint, PROMPTS[:1], fields), logprobs=False)
+    choices, _ = _complete(server.url, [prompt], fields, stream)
+    _assert_same(choices, _generate(checkpoint, [prompt], fields), logprobs=False)
     assert choices[0]["finish_reason"] == "stop" and choices[0]["text"] == free_text[:start]
 
 
@@ -179,12 +187,12 @@ def test_requests_waiting_during_a_batch_decode_together_each_to_its_own_length(
         runner.gate.set()
         for thread in threads:
             thread.join(timeout=120)
-        assert runner.batches == [1, 5, 1]
+        assert runner.batches[0] == 1 and sorted(runner.batches[1:]) == [1, 5]  # in the order they arrived
         for (prompt, fields), batched in zip(requests, results[1:]):
             alone = _client(running.url).completions.create(model="tiny", prompt=prompt, **fields)
             assert [c.model_dump() for c in batched.choices] == [c.model_dump() for c in alone.choices]
             assert batched.usage.completion_tokens <= fields["max_tokens"]
-        assert runner.batches == [1, 5, 1] + [1] * len(requests)
+        assert runner.batches[3:] == [1] * len(requests)
 
 
 def _one_line_error(status, body, expected_status, *needles, param=None):
