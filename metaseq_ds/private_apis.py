@@ -15,6 +15,7 @@ import functools
 import os
 import warnings
 from importlib import metadata
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
 
 from metaseq_ds.errors import UsageError
@@ -87,6 +88,19 @@ def even_split_tp_meta():
     return AutoTPMeta(tp_grain_size=1)
 
 
+# -- DeepSpeed: the CPU accelerator's shared-memory all-reduce --------------------------------
+
+def shm_allreduce_buffer(rank: int) -> Path:
+    """The file in /dev/shm that DeepSpeed's shared-memory all-reduce op (`csrc/cpu/comm/shm.cpp`,
+    built and initialised by `deepspeed.init_distributed()` when all ranks share one machine)
+    creates for `rank`: ~66 MB, named from the user, MASTER_ADDR and MASTER_PORT, and never
+    unlinked by DeepSpeed. Each rank creates its own and maps every other rank's while it
+    initialises; after that no rank opens one by name again."""
+    require_tested("deepspeed", "the name of csrc/cpu/comm/shm.cpp's all-reduce buffer")
+    address, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    return Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_{address}_{port}_{rank}"
+
+
 # -- DeepSpeed: ZeRO internals -------------------------------------------------------------------
 
 def zero3_flat_partitions(zero_optimizer) -> List[Tuple[Any, Any]]:
@@ -94,6 +108,30 @@ def zero3_flat_partitions(zero_optimizer) -> List[Tuple[Any, Any]]:
     ZeRO-3 optimizer: the flat buffers DeepSpeed steps and copies between."""
     require_tested("deepspeed", "DeepSpeedZeroOptimizer_Stage3.fp32_partitioned_groups_flat")
     return list(zip(zero_optimizer.fp32_partitioned_groups_flat, zero_optimizer.fp16_partitioned_groups_flat))
+
+
+def zero12_flat_partitions(zero_optimizer) -> List[Tuple[Any, Any]]:
+    """(fp32 master partition, training-dtype parameter partition) per parameter group of a
+    ZeRO-1/2 optimizer: the flat buffers DeepSpeed steps and copies between."""
+    require_tested("deepspeed", "DeepSpeedZeroOptimizer.single_partition_of_fp32_groups")
+    return [(master, zero_optimizer.parallel_partitioned_bit16_groups[i][_zero12_partition_id(zero_optimizer, i)])
+            for i, master in enumerate(zero_optimizer.single_partition_of_fp32_groups)]
+
+
+def _zero12_partition_id(zero_optimizer, group: int) -> int:
+    import deepspeed.comm as dist
+
+    return dist.get_rank(group=zero_optimizer.real_dp_process_group[group])
+
+
+def relink_zero12_master_fragments(zero_optimizer) -> None:
+    """After a ZeRO-1/2 master partition got new storage: each parameter's view of its fp32
+    fragment (`param._hp_mapping`, what `safe_get_full_fp32_param` and universal checkpoints
+    read) was a view of the old storage; DeepSpeed's own linking makes them again, and the
+    optimizer-state fragments are linked afresh at the first step."""
+    require_tested("deepspeed", "DeepSpeedZeroOptimizer._link_all_hp_params")
+    zero_optimizer._link_all_hp_params()
+    zero_optimizer._hp_optimizer_states_linked = False
 
 
 def zero3_gradient_buffer(zero_optimizer):

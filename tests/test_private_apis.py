@@ -66,9 +66,12 @@ def test_even_split_meta_splits_every_dimension_into_equal_parts():
 
 
 def test_deepspeed_shims_in_a_one_rank_process(tmp_path):
-    out = subprocess.run([sys.executable, __file__, str(tmp_path)], capture_output=True, text=True, env=env(), timeout=300)
+    # LOCAL_SIZE (set by the deepspeed launcher) = world size: DeepSpeed's shm all-reduce op starts up.
+    out = subprocess.run([sys.executable, __file__, str(tmp_path)], capture_output=True, text=True,
+                         env={**env(), "LOCAL_SIZE": "1"}, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["shm"] == {"created_as_named": True, "released": True}
     assert found["groups"] == {"before": False, "after": True, "tp_size": 1}
     for stage in ("2", "3"):
         result = found[stage]
@@ -122,10 +125,17 @@ def _check_stage(stage: int, folder: str) -> dict:
 
 
 if __name__ == "__main__":
+    import deepspeed
+
     from metaseq_ds.distributed import utils as dist_utils
 
-    dist_utils.init_distributed()
-    found = {"groups": {"before": private_apis.tensor_parallel_groups_initialized()}}
+    dist_utils.prepare_environment()
+    deepspeed.init_distributed()  # dist_utils.init_distributed's steps, with a look at /dev/shm in between
+    buffer = private_apis.shm_allreduce_buffer(0)
+    found = {"shm": {"created_as_named": buffer.is_file()}}
+    dist_utils.release_shm_buffer()
+    found["shm"]["released"] = not buffer.exists()
+    found["groups"] = {"before": private_apis.tensor_parallel_groups_initialized()}
     private_apis.init_tensor_parallel_groups(1)
     found["groups"].update(after=private_apis.tensor_parallel_groups_initialized(),
                            tp_size=dist_utils.get_tensor_model_parallel_world_size())

@@ -12,7 +12,7 @@ import openai
 import pytest
 from typer.testing import CliRunner
 
-from launch import env, free_port, remove_shm_buffers
+from launch import env, free_port, shm_leftovers
 from metaseq_ds.cli.main import app
 from metaseq_ds.serving.protocol import FINISH_REASONS
 from metaseq_ds.serving.runner import ModelRunner
@@ -299,22 +299,20 @@ def test_under_the_deepspeed_launcher_2_ranks_serve_the_same_completions(checkpo
     port = free_port()
     command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
                "--module", "metaseq_ds.cli.serve", "--path", str(checkpoint), "--port", "0"]
+    process, url = start_process(command, env(), timeout=300)
     try:
-        process, url = start_process(command, env(), timeout=300)
-        try:
-            for case in ("four_prompts", "seeded_sampling", "beam"):
-                prompts, fields = CASES[case]
-                sharded, _ = _complete(url, prompts, {**fields, "logprobs": 2}, stream=False)
-                single, _ = _complete(server.url, prompts, {**fields, "logprobs": 2}, stream=False)
-                for mine, reference in zip(sharded, single):
-                    assert (mine["text"], mine["finish_reason"]) == (reference["text"], reference["finish_reason"])
-                    assert mine["logprobs"]["token_logprobs"] == \
-                        pytest.approx(reference["logprobs"]["token_logprobs"], abs=1e-5)
-            streamed, _ = _complete(url, PROMPTS[:1], CASES["greedy"][1], stream=True)
-            assert streamed == _complete(server.url, PROMPTS[:1], CASES["greedy"][1], stream=False)[0]
-        finally:
-            interrupt(process)
-            stderr = process.stderr.read()
-        assert "rank 1: rank 0 stopped serving; stopping" in stderr, stderr[-3000:]  # not killed
+        for case in ("four_prompts", "seeded_sampling", "beam"):
+            prompts, fields = CASES[case]
+            sharded, _ = _complete(url, prompts, {**fields, "logprobs": 2}, stream=False)
+            single, _ = _complete(server.url, prompts, {**fields, "logprobs": 2}, stream=False)
+            for mine, reference in zip(sharded, single):
+                assert (mine["text"], mine["finish_reason"]) == (reference["text"], reference["finish_reason"])
+                assert mine["logprobs"]["token_logprobs"] == \
+                    pytest.approx(reference["logprobs"]["token_logprobs"], abs=1e-5)
+        streamed, _ = _complete(url, PROMPTS[:1], CASES["greedy"][1], stream=True)
+        assert streamed == _complete(server.url, PROMPTS[:1], CASES["greedy"][1], stream=False)[0]
     finally:
-        remove_shm_buffers(port)
+        interrupt(process)
+        stderr = process.stderr.read()
+    assert "rank 1: rank 0 stopped serving; stopping" in stderr, stderr[-3000:]  # not killed
+    assert not shm_leftovers(port)  # each rank unlinked DeepSpeed's all-reduce buffer

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import TINY, env, free_port, losses, remove_shm_buffers, run, write_corpus
+from launch import TINY, env, free_port, losses, run, shm_leftovers, write_corpus
 from metaseq_ds.distributed.tensor_parallel import merge_shards, partition_dim, partition_dims
 from metaseq_ds.errors import UsageError
 
@@ -50,10 +50,8 @@ def test_tp2_logits_loss_and_gradients_equal_the_unsharded_model():
     worker = Path(__file__).with_name("tp_parity_worker.py")
     port = free_port()
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port), str(worker)]
-    try:
-        result = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=300)
-    finally:
-        remove_shm_buffers(port)
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=300)
+    assert not shm_leftovers(port)
     lines = [line for line in result.stdout.splitlines() if line.startswith("TP_PARITY ")]
     assert lines, result.stdout[-3000:] + result.stderr[-3000:]
     diffs = json.loads(lines[0].split(" ", 1)[1])

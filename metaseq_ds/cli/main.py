@@ -12,8 +12,12 @@ from typing import List, Optional
 import typer
 
 from metaseq_ds import __version__
+from metaseq_ds.dataclass.configs import DatasetConfig  # pydantic only, as the two below
+from metaseq_ds.dataclass.constraints import describe_range
 from metaseq_ds.errors import UsageError
 from metaseq_ds.generation_options import GenerationOptions  # pydantic only: --help stays free of torch
+from metaseq_ds.serving.options import ServeOptions
+from migrate.options import Options as MigrateOptions
 
 app = typer.Typer(
     name="mseq",
@@ -55,8 +59,10 @@ def validate(
     path: str = typer.Option(..., "--path", help="checkpoint: a save dir (its last checkpoint) or a checkpoint_* dir"),
     valid_subset: Optional[str] = typer.Option(None, "--valid-subset", help="comma-separated splits (default: the run's)"),
     data: Optional[str] = typer.Option(None, "--data", help="data directory (default: the run's)"),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="sequences per batch (default: the run's)"),
-    max_valid_steps: Optional[int] = typer.Option(None, "--max-valid-steps", help="at most N batches per split"),
+    batch_size: Optional[int] = typer.Option(
+        None, "--batch-size", help="sequences per batch (default: the run's)" + describe_range(DatasetConfig, "batch_size")),
+    max_valid_steps: Optional[int] = typer.Option(
+        None, "--max-valid-steps", help="at most N batches per split" + describe_range(DatasetConfig, "max_valid_steps")),
 ) -> None:
     """Report loss (base 2) and perplexity of a checkpoint on validation splits."""
     from metaseq_ds.cli import validate as validate_module
@@ -108,20 +114,23 @@ def generate(
 @app.command()
 def serve(
     path: str = typer.Option(..., "--path", help="checkpoint: a save dir (its last checkpoint) or a checkpoint_* dir"),
-    host: str = typer.Option("127.0.0.1", "--host", help="address to listen on (0.0.0.0: every interface; give an --api-key then)"),
-    port: int = typer.Option(6010, "--port", min=0, max=65535, help="TCP port (0: any free port; the address is printed)"),
+    host: str = typer.Option(ServeOptions.host, "--host", help="address to listen on (0.0.0.0: every interface; give an --api-key then)"),
+    port: int = typer.Option(ServeOptions.port, "--port",
+                             help="TCP port (0: any free port; the address is printed)" + describe_range(ServeOptions, "port")),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MSEQ_API_KEY",
                                           help="require 'Authorization: Bearer KEY' on every route but /health"),
-    max_batch_tokens: int = typer.Option(16384, "--max-batch-tokens", min=1, max=2**31 - 1,
-                                         help="decode at most this many KV-cache positions per batch "
-                                              "(sequences x (longest prompt + most new tokens)); larger requests are refused"),
-    max_request_bytes: int = typer.Option(1048576, "--max-request-bytes", min=1024, max=2**30,
-                                          help="refuse request bodies larger than this (HTTP 413)"),
+    max_batch_tokens: int = typer.Option(
+        ServeOptions.max_batch_tokens, "--max-batch-tokens",
+        help="decode at most this many KV-cache positions per batch (sequences x (longest prompt + most new tokens)); "
+             "larger requests are refused" + describe_range(ServeOptions, "max_batch_tokens")),
+    max_request_bytes: int = typer.Option(
+        ServeOptions.max_request_bytes, "--max-request-bytes",
+        help="refuse request bodies larger than this (HTTP 413)" + describe_range(ServeOptions, "max_request_bytes")),
 ) -> None:
     """Serve a checkpoint over HTTP: metaseq's hosted API, OpenAI-compatible completions, batched."""
     from metaseq_ds.cli import serve as serve_module
 
-    run_guarded("serve", serve_module.main, path, host, port, api_key, max_batch_tokens, max_request_bytes)
+    run_guarded("serve", serve_module.main, ServeOptions(path, host, port, api_key, max_batch_tokens, max_request_bytes))
 
 
 @app.command()
@@ -130,7 +139,7 @@ def migrate(
     diff: bool = typer.Option(False, "--diff", help="print a unified diff and write nothing"),
     check: bool = typer.Option(False, "--check", help="write nothing; exit 1 if anything would change (for CI)"),
     report: Optional[str] = typer.Option(None, "--report", metavar="FILE", help="write every item as JSON: file, line, col, kind, old, new, reason"),
-    jobs: int = typer.Option(1, "-j", "--jobs", help="worker processes"),
+    jobs: int = typer.Option(1, "-j", "--jobs", help="worker processes" + describe_range(MigrateOptions, "jobs")),
     exclude: List[str] = typer.Option([], "--exclude", metavar="GLOB", help="skip matching paths (repeatable); .git, .venv, build, dist, site-packages and @generated files are always skipped"),
     shell: bool = typer.Option(False, "--shell", help="also rewrite fairseq-train / metaseq-train / python -m metaseq.cli.train in shell scripts"),
 ) -> None:
@@ -140,7 +149,7 @@ def migrate(
     """
     from migrate import runner
 
-    run_guarded("migrate", runner.main, runner.Options(paths, diff, check, report, jobs, exclude, shell))
+    run_guarded("migrate", runner.main, MigrateOptions(paths, diff, check, report, jobs, exclude, shell))
 
 
 export_app = typer.Typer(help="Convert our checkpoints to other formats.", no_args_is_help=True)
@@ -154,7 +163,7 @@ def export_hf(
     checkpoint: str = typer.Argument(..., metavar="CKPT", help="a save dir (its last checkpoint) or a checkpoint_* dir, any ZeRO stage and rank count"),
     out: str = typer.Argument(..., metavar="OUT", help="new folder for the Hugging Face model (must not exist, or be empty)"),
     dtype: str = typer.Option("fp32", "--dtype", help="weights dtype: fp32, fp16 or bf16"),
-    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="split model.safetensors into shards of at most this size"),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="split model.safetensors into shards of at most this size (more than 0: 5GB, 500MB, 2KB or bytes)"),
 ) -> None:
     """Write a Hugging Face OPTForCausalLM folder: config, generation config, safetensors, tokenizer."""
     from metaseq_ds.cli import export

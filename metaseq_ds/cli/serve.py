@@ -22,15 +22,17 @@ from pathlib import Path
 from typing import Optional
 
 from metaseq_ds.errors import UsageError
+from metaseq_ds.serving.options import ServeOptions
 
 
-def main(path: str, host: str, port: int, api_key: Optional[str], max_batch_tokens: int,
-         max_request_bytes: int) -> None:
+def main(options: ServeOptions) -> None:
+    options.validate()
+    path, api_key = options.path, options.api_key
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s | %(name)s | %(message)s")
     rank, ranks = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if api_key == "":
         raise UsageError("--api-key is empty: give a key, or leave the flag out to serve without one")
-    listener = bind(host, port) if rank == 0 else None  # before the model loads: a taken port fails fast
+    listener = bind(options.host, options.port) if rank == 0 else None  # before the model loads: a taken port fails fast
     with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout; stdout is for the address line
         from metaseq_ds.hub_utils import GeneratorInterface
         from metaseq_ds.serving.runner import ModelRunner
@@ -46,7 +48,8 @@ def main(path: str, host: str, port: int, api_key: Optional[str], max_batch_toke
         runner.follow()
         return
     try:
-        serve(interface, runner, listener, Path(path).resolve().name, api_key, max_batch_tokens, max_request_bytes)
+        serve(interface, runner, listener, Path(path).resolve().name, api_key, options.max_batch_tokens,
+              options.max_request_bytes)
     finally:
         runner.stop()
 
