@@ -196,6 +196,20 @@ def import_metaseq(
     run_guarded("import metaseq", import_.metaseq, checkpoint, out, hf_tokenizer, vocab_filename, merges_filename)
 
 
+@app.command()
+def reshard(
+    checkpoint: str = typer.Argument(..., metavar="CKPT", help="a save dir (its last checkpoint) or a checkpoint_* dir, any layout"),
+    out: str = typer.Argument(..., metavar="OUT", help="new folder for the resharded checkpoint (must not exist, or be empty)"),
+    ranks: int = typer.Option(..., "--ranks", help="ranks of the run that will resume it"),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", help="its tensor-parallel degree (divides --ranks and the heads)"),
+    zero_stage: Optional[int] = typer.Option(None, "--zero-stage", help="its ZeRO stage (default: the checkpoint's)"),
+) -> None:
+    """Consolidate a training checkpoint (weights, fp32 master weights, Adam moments and step, data position) for another layout."""
+    from metaseq_ds.cli import reshard as reshard_module
+
+    run_guarded("reshard", reshard_module.main, checkpoint, out, ranks, tensor_parallel_size, zero_stage)
+
+
 def _version(value: bool) -> None:
     if value:
         print(f"metaseq-ds {__version__}")
