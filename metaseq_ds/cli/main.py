@@ -16,6 +16,7 @@ from metaseq_ds.dataclass.configs import DatasetConfig  # pydantic only, as the 
 from metaseq_ds.dataclass.constraints import describe_range
 from metaseq_ds.errors import UsageError
 from metaseq_ds.generation_options import GenerationOptions  # pydantic only: --help stays free of torch
+from metaseq_ds.reshard import TargetLayout
 from metaseq_ds.serving.options import ServeOptions
 from migrate.options import Options as MigrateOptions
 
@@ -200,9 +201,12 @@ def import_metaseq(
 def reshard(
     checkpoint: str = typer.Argument(..., metavar="CKPT", help="a save dir (its last checkpoint) or a checkpoint_* dir, any layout"),
     out: str = typer.Argument(..., metavar="OUT", help="new folder for the resharded checkpoint (must not exist, or be empty)"),
-    ranks: int = typer.Option(..., "--ranks", help="ranks of the run that will resume it"),
-    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", help="its tensor-parallel degree (divides --ranks and the heads)"),
-    zero_stage: Optional[int] = typer.Option(None, "--zero-stage", help="its ZeRO stage (default: the checkpoint's)"),
+    ranks: int = typer.Option(..., "--ranks", help="ranks of the run that will resume it" + describe_range(TargetLayout, "ranks")),
+    tensor_parallel_size: int = typer.Option(
+        1, "--tensor-parallel-size",
+        help="its tensor-parallel degree (divides --ranks and the heads)" + describe_range(TargetLayout, "tensor_parallel_size")),
+    zero_stage: Optional[int] = typer.Option(
+        None, "--zero-stage", help="its ZeRO stage (default: the checkpoint's)" + describe_range(TargetLayout, "zero_stage")),
 ) -> None:
     """Consolidate a training checkpoint (weights, fp32 master weights, Adam moments and step, data position) for another layout."""
     from metaseq_ds.cli import reshard as reshard_module
