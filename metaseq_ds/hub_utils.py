@@ -111,9 +111,11 @@ class GeneratorInterface:
         length_penalty: Optional[float] = None,
         stream: Optional[Callable[[int, int], None]] = None,
         *,
-        options: Optional[GenerationOptions] = None,
+        options: Union[GenerationOptions, Sequence[GenerationOptions], None] = None,
     ) -> List[List[Dict]]:
-        """For each prompt, `n` result dicts (best first), decoded as `options` say.
+        """For each prompt, `n` result dicts (best first), decoded as `options` say: one object,
+        or one per prompt that differ only in `min_tokens`/`max_tokens` (the prompts still decode
+        in one batch, each to its own length).
 
         Instead of `options`, metaseq's keywords: the `GenerationOptions` fields, None for the
         field's default; `min_tokens`/`max_tokens` may also be one value per prompt. `stop`:
@@ -128,35 +130,29 @@ class GeneratorInterface:
         if options is not None and given:
             raise TypeError(f"give generate() options= or the sampling keywords, not both: {sorted(given)}")
         if options is None:
-            # metaseq's API also takes one limit per prompt: such lists are checked prompt by prompt below.
+            # metaseq's API also takes one limit per prompt: such lists are checked prompt by prompt.
             per_prompt = any(not isinstance(given.get(k, 0), int) for k in LIMITS)
-            options = GenerationOptions.from_values({k: v for k, v in given.items() if not (per_prompt and k in LIMITS)})
+            shared = GenerationOptions.from_values({k: v for k, v in given.items() if not (per_prompt and k in LIMITS)})
+            mins = _per_prompt(min_tokens, shared.min_tokens, len(inputs), "min_tokens")
+            maxs = _per_prompt(max_tokens, shared.max_tokens, len(inputs), "max_tokens")
+            options = [shared.replace(min_tokens=least, max_tokens=most) for least, most in zip(mins, maxs)]
+        elif isinstance(options, GenerationOptions):
+            options = [options] * len(inputs)
+        elif len(options) != len(inputs):
+            raise TypeError(f"generate() got {len(options)} options for {len(inputs)} prompts")
+        if not inputs:
+            raise UsageError("no prompts given")
+        shared = _shared(options)
 
         self.load_model()
         if _launched_ranks() > 1:
-            seed = options.seed if options.seed is not None else int.from_bytes(os.urandom(4), "little")
-            options = options.replace(seed=_rank0_value(seed))
-        if not inputs:
-            raise UsageError("no prompts given")
+            seed = shared.seed if shared.seed is not None else int.from_bytes(os.urandom(4), "little")
+            shared = shared.replace(seed=_rank0_value(seed))
         prompts = [self.encode(p, i) for i, p in enumerate(inputs)]
-        mins = _per_prompt(min_tokens, options.min_tokens, len(prompts), "min_tokens")
-        maxs = _per_prompt(max_tokens, options.max_tokens, len(prompts), "max_tokens")
-        results: List[List[Dict]] = [[] for _ in prompts]
-        # One generator per distinct (min, max): metaseq's API allows them per prompt.
-        for limits in sorted(set(zip(mins, maxs))):
-            indices = [i for i in range(len(prompts)) if (mins[i], maxs[i]) == limits]
-            generator = SequenceGenerator([self.model], self.dictionary,
-                                          options.replace(min_tokens=limits[0], max_tokens=limits[1]),
-                                          decode=self.tokenizer.decode)
-
-            def prompt_stream(prompt, token, indices=indices):
-                stream(indices[prompt], token)
-
-            hypos = generator.generate([self.model], [prompts[i] for i in indices],
-                                       stream=prompt_stream if stream is not None else None)
-            for i, prompt_hypos in zip(indices, hypos):
-                results[i] = [self._result(h, options) for h in prompt_hypos]
-        return results
+        generator = SequenceGenerator([self.model], self.dictionary, shared, decode=self.tokenizer.decode)
+        hypos = generator.generate([self.model], prompts, stream=stream, min_tokens=[o.min_tokens for o in options],
+                                   max_tokens=[o.max_tokens for o in options])
+        return [[self._result(h, shared) for h in prompt_hypos] for prompt_hypos in hypos]
 
     def _result(self, hypo: Dict, options: GenerationOptions) -> Dict:
         """metaseq's result dict for one hypothesis: special tokens dropped, the stop text cut."""
@@ -223,6 +219,15 @@ def _per_prompt(value, default: int, count: int, name: str) -> List[int]:
     if len(values) != count:
         raise UsageError(f"{name}: {len(values)} values for {count} prompts")
     return values
+
+
+def _shared(options: Sequence[GenerationOptions]) -> GenerationOptions:
+    """The options of one batch: per-prompt options may differ in their limits only."""
+    first = options[0].model_dump(exclude=set(LIMITS))
+    for other in options[1:]:
+        if other.model_dump(exclude=set(LIMITS)) != first:
+            raise TypeError("the options of one generate() call may differ only in min_tokens and max_tokens")
+    return options[0]
 
 
 def _top_lists(hypo: Dict, prefix: str) -> List[List]:

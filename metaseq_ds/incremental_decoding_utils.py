@@ -15,6 +15,10 @@ shared by every layer of the model:
         def reorder_incremental_state(self, incremental_state, new_order):
             ...  # index_select(0, new_order) on every cached tensor (beam search, finished rows)
 
+A caller that knows how long its sequences will grow (a generator: prompt + new tokens) says so
+once with `reserve_positions(state, n)`, so that caches allocate their buffers once for n
+positions instead of growing (see `metaseq_ds.modules.kv_cache`).
+
 fairseq's `FairseqIncrementalState` is `IncrementalState`.
 """
 
@@ -22,6 +26,19 @@ import uuid
 from typing import Any, Dict, Optional
 
 IncrementalStateDict = Dict[str, Dict[str, Any]]
+
+# Shared by every module of the state (not private to one instance like the others).
+RESERVED_POSITIONS = "reserved_positions"
+
+
+def reserve_positions(incremental_state: IncrementalStateDict, positions: int) -> None:
+    """Say that the sequences of this state will reach at most `positions` tokens."""
+    incremental_state[RESERVED_POSITIONS] = {"positions": positions}
+
+
+def reserved_positions(incremental_state: IncrementalStateDict) -> int:
+    """The positions reserved for this state, 0 if the caller did not say."""
+    return incremental_state.get(RESERVED_POSITIONS, {"positions": 0})["positions"]
 
 
 class IncrementalState:

@@ -27,9 +27,13 @@ Memory: the source is memory-mapped and each value is produced, written and drop
 """
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Annotated, Any, Dict, Optional
 
+from pydantic import Field
+
+from metaseq_ds.dataclass.constraints import PositiveInt
 from metaseq_ds.errors import UsageError
 
 logger = logging.getLogger(__name__)
@@ -37,8 +41,29 @@ logger = logging.getLogger(__name__)
 CLIENT_STATE = "client_state.pt"
 
 
+@dataclass(frozen=True)
+class TargetLayout:
+    """The layout `mseq reshard` prepares a checkpoint for, each number's range declared once
+    (the check before any work, `--help` and the one-line error read it)."""
+
+    ranks: PositiveInt
+    tensor_parallel_size: PositiveInt = 1
+    zero_stage: Optional[Annotated[int, Field(ge=0, le=3)]] = None  # None: the checkpoint's
+
+    def validate(self) -> None:
+        from metaseq_ds.dataclass import validate_value
+
+        for name in ("ranks", "tensor_parallel_size", "zero_stage"):
+            if getattr(self, name) is not None:
+                validate_value(TargetLayout, name, getattr(self, name), "--" + name.replace("_", "-"))
+        if self.ranks % self.tensor_parallel_size:
+            raise UsageError(f"--tensor-parallel-size {self.tensor_parallel_size} does not divide --ranks {self.ranks} "
+                             f"(the ranks form data-parallel x tensor-parallel groups)")
+
+
 def reshard(checkpoint: str, out: str, ranks: int, tensor_parallel_size: int, zero_stage: Optional[int] = None) -> Path:
     """Write the consolidated checkpoint of `checkpoint` for the given layout into `out`; its path."""
+    TargetLayout(ranks, tensor_parallel_size, zero_stage).validate()  # before anything is read
     import torch
 
     from metaseq_ds import checkpoint_utils
@@ -59,7 +84,6 @@ def reshard(checkpoint: str, out: str, ranks: int, tensor_parallel_size: int, ze
     saved = Layout.of_checkpoint(meta)
     stage = saved.zero_stage if zero_stage is None else zero_stage
     target = Layout(ranks, stage, tensor_parallel_size, saved.precision)
-    _check_target(target)
     check_divisible(config_from_dict(meta["config"]).model, tensor_parallel_size, source="--tensor-parallel-size")
     check_free(Path(out))
     state = read_optimizer_state(ref)
@@ -89,14 +113,6 @@ def reshard(checkpoint: str, out: str, ranks: int, tensor_parallel_size: int, ze
     return Path(out) / ref.tag
 
 
-def _check_target(target) -> None:
-    if target.zero_stage not in (0, 1, 2, 3):
-        raise UsageError(f"--zero-stage {target.zero_stage}: DeepSpeed's ZeRO stages are 0, 1, 2 and 3")
-    if target.world_size < 1 or target.tensor_parallel_size < 1:
-        raise UsageError(f"--ranks {target.world_size} --tensor-parallel-size {target.tensor_parallel_size}: both must be at least 1")
-    if target.world_size % target.tensor_parallel_size:
-        raise UsageError(f"--tensor-parallel-size {target.tensor_parallel_size} does not divide --ranks {target.world_size} "
-                         f"(the ranks form data-parallel x tensor-parallel groups)")
 
 
 def _unique_names(values: Dict[str, Any]):

@@ -30,13 +30,14 @@ search: `GeneratorInterface` cuts the finished beams' text at them afterwards.
 """
 
 import math
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from metaseq_ds.errors import UsageError
 from metaseq_ds.generation_options import GenerationOptions, StopItem
+from metaseq_ds.incremental_decoding_utils import reserve_positions
 
 EOS, STOP, LENGTH = "eos", "stop", "length"
 NEG_INF = float("-inf")
@@ -141,6 +142,21 @@ def options_from_keywords(
     return options
 
 
+class Limits(NamedTuple):
+    """New tokens per row: at least `min[row]` (no eos or stop before), at most `max[row]`."""
+
+    min: List[int]
+    max: List[int]
+
+
+def _per_prompt(values: Optional[Sequence[int]], default: int, count: int, name: str) -> List[int]:
+    if values is None:
+        return [default] * count
+    if len(values) != count:
+        raise UsageError(f"{name}: {len(values)} values for {count} prompts")
+    return list(values)
+
+
 class SequenceGenerator(nn.Module):
     """Generates continuations of token prompts with one model (metaseq's class name and
     `generate(models, sample)` entry point; lengths count new tokens only).
@@ -169,12 +185,16 @@ class SequenceGenerator(nn.Module):
         self.stop = StopCriteria(options.stop, decode)
 
     @torch.no_grad()
-    def generate(self, models, sample, stream: Optional[StreamCallback] = None) -> List[List[Hypothesis]]:
+    def generate(self, models, sample, stream: Optional[StreamCallback] = None, *,
+                 min_tokens: Optional[Sequence[int]] = None,
+                 max_tokens: Optional[Sequence[int]] = None) -> List[List[Hypothesis]]:
         """Hypotheses per prompt: the best `n` (of `best_of` beams or samples), best first.
 
         `sample`: a list of token-id prompts, or metaseq's `{"net_input": {"src_tokens": (B, T)}}`
         (pads anywhere are dropped). `stream(prompt_index, token_id)` is called for each new
         token as it is chosen (not with beam search, whose beams change until the end).
+        `min_tokens` / `max_tokens`: one limit per prompt instead of the options' (prompts of
+        different requests decode in one batch, each to its own length).
         """
         if isinstance(sample, dict):
             src = sample["net_input"]["src_tokens"]
@@ -191,15 +211,19 @@ class SequenceGenerator(nn.Module):
         room = self.decoder.max_positions() - tokens.size(1)
         if room < 1:
             raise UsageError(f"a prompt of {tokens.size(1)} tokens leaves no room in the model's {self.decoder.max_positions()} positions")
-        max_new = min(self.options.max_tokens, room)
+        mins = _per_prompt(min_tokens, self.options.min_tokens, len(prompts), "min_tokens")
+        maxs = [min(limit, room) for limit in _per_prompt(max_tokens, self.options.max_tokens, len(prompts), "max_tokens")]
+        # Each row's limits (a prompt's samples are `copies` consecutive rows).
+        limits = Limits([m for m in mins for _ in range(copies)], [m for m in maxs for _ in range(copies)])
         state: Dict = {}
+        reserve_positions(state, tokens.size(1) + max(maxs))  # the KV cache is allocated once
         features, extra = self.decoder.extract_features(tokens, incremental_state=state)
         prompt_info = self._score_prompts(features, extra, tokens, rows) if self.options.echo else None
         logits = self._next_log_probs(features, extra)
         if self.options.beams > 1:
-            hypos = self._beam_search(tokens, state, logits, max_new)  # the finished beams of each row
+            hypos = self._beam_search(tokens, state, logits, limits)  # the finished beams of each row
         else:
-            hypos = self._sample(tokens, state, logits, max_new, device, stream)  # one per row
+            hypos = self._sample(tokens, state, logits, limits, device, stream)  # one per row
         if prompt_info is not None:
             for row_hypos, info in zip(hypos, prompt_info):
                 for hypo in row_hypos:
@@ -223,17 +247,20 @@ class SequenceGenerator(nn.Module):
         features, extra = self.decoder.extract_features(tokens, incremental_state=state)
         return self._next_log_probs(features, extra)
 
-    def _ban(self, lprobs: torch.Tensor, step: int) -> torch.Tensor:
-        """No pad ever (it would be read as padding); no eos or stop token before min_new_tokens."""
-        banned = [self.pad]
-        if step < self.options.min_tokens:
-            banned += [self.eos, *self.stop.single_tokens]
-        return lprobs.index_fill(1, torch.tensor(banned, device=lprobs.device), NEG_INF)
+    def _ban(self, lprobs: torch.Tensor, step: int, mins: Sequence[int]) -> torch.Tensor:
+        """No pad ever (it would be read as padding); no eos or stop token in a row before its
+        min_tokens (`mins`: one per row of `lprobs`)."""
+        allowed = lprobs.index_fill(1, torch.tensor([self.pad], device=lprobs.device), NEG_INF)
+        early = [row for row, least in enumerate(mins) if step < least]
+        if early:
+            ends = torch.tensor([self.eos, *self.stop.single_tokens], device=lprobs.device)
+            allowed[torch.tensor(early, device=lprobs.device)[:, None], ends] = NEG_INF
+        return allowed
 
-    def _finish_reason(self, new_tokens: List[int], step: int, max_new: int) -> Optional[str]:
+    def _finish_reason(self, new_tokens: List[int], step: int, min_new: int, max_new: int) -> Optional[str]:
         if new_tokens[-1] == self.eos:
             return EOS
-        if step >= self.options.min_tokens and self.stop and self.stop.hit(new_tokens):
+        if step >= min_new and self.stop and self.stop.hit(new_tokens):
             return STOP
         if step + 1 >= max_new:
             return LENGTH
@@ -244,7 +271,7 @@ class SequenceGenerator(nn.Module):
 
     # -- greedy and sampling ------------------------------------------------------------------
 
-    def _sample(self, tokens, state, lprobs, max_new, device, stream) -> List[List[Hypothesis]]:
+    def _sample(self, tokens, state, lprobs, limits: Limits, device, stream) -> List[List[Hypothesis]]:
         batch = tokens.size(0)
         rows = list(range(batch))  # the batch index of each row still decoding
         new_tokens: List[List[int]] = [[] for _ in range(batch)]
@@ -255,13 +282,18 @@ class SequenceGenerator(nn.Module):
         # No seed: draw one from torch's global generator, so torch.manual_seed still decides.
         seed = self.options.seed
         rng.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
-        for step in range(max_new):
-            allowed = self._ban(lprobs, step)
+        for step in range(max(limits.max)):
+            allowed = self._ban(lprobs, step, [limits.min[row] for row in rows])
             if self.options.temperature == 0:
                 chosen = allowed.argmax(dim=-1)  # (A,)
             else:
-                # log-probs differ from the logits by a constant per row: same softmax.
-                masked = top_k_mask(allowed / self.options.temperature, self.options.top_k)
+                # log-probs differ from the logits by a constant per row: same softmax. Each row is
+                # shifted to a maximum of 0 and scaled by a finite 1 / temperature, so that a tiny
+                # temperature leaves its best token at 0 and sends the others to -inf (greedy), not
+                # every token to -inf (a NaN softmax).
+                shifted = allowed - allowed.max(dim=-1, keepdim=True).values
+                scaled = shifted * min(1 / self.options.temperature, torch.finfo(shifted.dtype).max)
+                masked = top_k_mask(scaled, self.options.top_k)
                 masked = top_p_mask(masked, self.options.top_p)
                 chosen = torch.multinomial(masked.softmax(dim=-1), 1, generator=rng).squeeze(1)
             chosen_scores = lprobs.gather(1, chosen[:, None]).squeeze(1).tolist()
@@ -275,7 +307,7 @@ class SequenceGenerator(nn.Module):
                     tops[row].append((top_values[i], top_ids[i]))
                 if stream is not None:
                     stream(row // self.options.samples, token)  # the prompt whose sample this is
-                reasons[row] = self._finish_reason(new_tokens[row], step, max_new)
+                reasons[row] = self._finish_reason(new_tokens[row], step, limits.min[row], limits.max[row])
                 if reasons[row] is None:
                     keep.append(i)
             if not keep:
@@ -302,7 +334,7 @@ class SequenceGenerator(nn.Module):
 
     # -- beam search --------------------------------------------------------------------------
 
-    def _beam_search(self, tokens, state, lprobs, max_new) -> List[List[Hypothesis]]:
+    def _beam_search(self, tokens, state, lprobs, limits: Limits) -> List[List[Hypothesis]]:
         batch, n, device = tokens.size(0), self.options.beams, tokens.device
         expand = torch.arange(batch, device=device).repeat_interleave(n)  # every prompt n times
         tokens, lprobs = tokens.index_select(0, expand), lprobs.index_select(0, expand)
@@ -315,21 +347,20 @@ class SequenceGenerator(nn.Module):
         finished: List[List[Hypothesis]] = [[] for _ in range(batch)]
         history = {"tokens": [[] for _ in range(batch * n)], "scores": [[] for _ in range(batch * n)],
                    "tops": [[] for _ in range(batch * n)]}
-        for step in range(max_new):
+        for step in range(max(limits.max)):
             groups = len(active)
-            allowed = self._ban(lprobs, step)
+            allowed = self._ban(lprobs, step, [limits.min[prompt] for prompt in active for _ in range(n)])
             if self.options.logprobs:
                 top_values, top_ids = self._top(lprobs)
             candidates = (allowed.view(groups, n, vocab) + running[:, :, None]).view(groups, n * vocab)
             cand_scores, cand_index = candidates.topk(2 * n, dim=-1)  # (G, 2n), best first
             cand_rows = torch.arange(groups, device=device)[:, None] * n + cand_index // vocab
             cand_tokens = cand_index % vocab
-            last_step = step + 1 >= max_new
+            last_step = [step + 1 >= limits.max[prompt] for prompt in active]  # per group
             ends = cand_tokens.eq(self.eos)
             for token in self.stop.single_tokens:
                 ends |= cand_tokens.eq(token)
-            if last_step:
-                ends[:] = True
+            ends[torch.tensor(last_step, device=device)] = True
             cand_logprob = allowed[cand_rows, cand_tokens]
 
             def extended(row: int, token: int, logprob: float):
@@ -351,8 +382,6 @@ class SequenceGenerator(nn.Module):
                         score = cand_scores[g, j].item() / (gen_len ** self.options.length_penalty)
                         finished[prompt].append(self._hypothesis(entry["tokens"], entry["scores"], entry["tops"], reason, score))
                 finished[prompt] = sorted(finished[prompt], key=lambda h: -h["score"])[:n]
-            if last_step:
-                break
             going_on = cand_scores + ends.float() * NOT_A_BEAM
             running, chosen = going_on.topk(n, dim=-1)  # (G, n)
             next_rows = cand_rows.gather(1, chosen)
@@ -360,8 +389,9 @@ class SequenceGenerator(nn.Module):
             # Hugging Face's early stop: a prompt is done once n beams have finished and the best
             # running beam, scored at the current length, cannot beat the worst of them.
             keep = [g for g, prompt in enumerate(active)
-                    if len(finished[prompt]) < n
-                    or running[g, 0].item() / (gen_len ** self.options.length_penalty) > finished[prompt][-1]["score"]]
+                    if not last_step[g] and (
+                        len(finished[prompt]) < n
+                        or running[g, 0].item() / (gen_len ** self.options.length_penalty) > finished[prompt][-1]["score"])]
             if not keep:
                 break
             order = next_rows[keep].flatten()

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from metaseq_ds.cli.main import app
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"
-COMMANDS = ["train", "validate", "generate", "export", "import", "migrate", "reshard"]
+COMMANDS = ["train", "validate", "generate", "serve", "export", "import", "migrate", "reshard"]
 
 
 def _invoke(args):
@@ -34,8 +34,9 @@ def test_command_set_is_frozen():
 
 
 @pytest.mark.parametrize(
-    "args", [[], ["validate"], ["generate"], ["export", "hf"], ["import", "hf"], ["import", "metaseq"], ["migrate"], ["reshard"]],
-    ids=["mseq", "validate", "generate", "export_hf", "import_hf", "import_metaseq", "migrate", "reshard"],
+    "args", [[], ["validate"], ["generate"], ["serve"], ["export", "hf"], ["import", "hf"], ["import", "metaseq"],
+             ["migrate"], ["reshard"]],
+    ids=["mseq", "validate", "generate", "serve", "export_hf", "import_hf", "import_metaseq", "migrate", "reshard"],
 )
 def test_help_snapshots(args):
     result = _invoke(args + ["--help"])

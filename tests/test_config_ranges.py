@@ -33,6 +33,8 @@ from metaseq_ds.dataclass.constraints import Bound, field_bounds, field_types, i
 from metaseq_ds.errors import UsageError
 from metaseq_ds.generation_options import GenerationOptions
 from metaseq_ds.options import component_registries, flag, parse_train_config
+from metaseq_ds.reshard import TargetLayout
+from metaseq_ds.serving.options import ServeOptions
 from migrate.options import Options as MigrateOptions
 
 PLUGIN = Path(__file__).parent / "plugins" / "constrained_plugin"
@@ -264,13 +266,20 @@ def test_every_numeric_option_of_the_other_commands_out_of_range_is_refused_firs
         swept.add(("validate", flag(name)))
     sweep_command(tally, ["migrate", str(source)], "MigrateOptions", "jobs", int, field_bounds(MigrateOptions, "jobs"))
     swept.add(("migrate", "--jobs"))
+    for name in ("port", "max_batch_tokens", "max_request_bytes"):  # refused before a port is bound
+        sweep_command(tally, ["serve", "--path", missing], "ServeOptions", name, int, field_bounds(ServeOptions, name))
+        swept.add(("serve", flag(name)))
+    for name in ("ranks", "tensor_parallel_size", "zero_stage"):  # refused before the checkpoint is looked for
+        sweep_command(tally, ["reshard", missing, str(tmp_path / "out")], "TargetLayout", name, int,
+                      field_bounds(TargetLayout, name), extra=[] if name == "ranks" else ["--ranks", "2"])
+        swept.add(("reshard", flag(name)))
     assert swept == set(numeric_options(typer.main.get_command(app)))  # import has none; export's size is text
     assert not tally.failures, "\n".join(tally.failures)
     assert {key: EXEMPT.get(key) for key in tally.exempt} == {("GenerationOptions", "length_penalty"):
                                                               EXEMPT[("GenerationOptions", "length_penalty")]}
     assert source.read_text() == "from fairseq.models import FairseqDecoder\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plugin.py"] and not list(Path.cwd().iterdir())
-    print(f"\nmseq generate/validate/migrate: {tally.fields} numeric options, {tally.values} values refused")
+    print(f"\nmseq generate/validate/migrate/serve/reshard: {tally.fields} numeric options, {tally.values} values refused")
 
 
 @pytest.mark.parametrize("size", ["0", "0GB", "0.0001KB", "-1", "-1GB"])

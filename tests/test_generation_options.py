@@ -186,9 +186,17 @@ def test_options_object_and_keywords_complete_alike_but_not_together():
         SequenceGenerator([object()], ByteTask.dictionary, options, topp=0.5)
 
 
-def test_per_prompt_limits_are_checked_prompt_by_prompt(interface_options):
-    built = interface_options(prompts=["a", "b", "c"], min_tokens=40, max_tokens=[50, 60, 50])
-    assert [(o.min_tokens, o.max_tokens) for o in built] == [(40, 50), (40, 60)]  # not held to the default 32
+def test_per_prompt_limits_are_checked_prompt_by_prompt(monkeypatch):
+    limits = []
+    decode = SequenceGenerator.generate
+
+    def recording(self, models, sample, stream=None, *, min_tokens=None, max_tokens=None):
+        limits.append(list(zip(min_tokens, max_tokens)))
+        return decode(self, models, sample, stream, min_tokens=min_tokens, max_tokens=max_tokens)
+
+    monkeypatch.setattr(SequenceGenerator, "generate", recording)
+    _scripted("abc").generate(["a", "b", "c"], min_tokens=40, max_tokens=[50, 60, 50])
+    assert limits == [[(40, 50), (40, 60), (40, 50)]]  # one batch, each prompt's own; not held to the default 32
     with pytest.raises(UsageError, match="^max_tokens must be >= 1, got 0$"):
         _scripted("abc").generate(["a", "b"], max_tokens=[3, 0])
     with pytest.raises(UsageError, match="^need min_tokens <= max_tokens, got min_tokens=5, max_tokens=4$"):

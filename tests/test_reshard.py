@@ -99,7 +99,7 @@ def test_bad_reshard_input_is_one_line_exit_2_and_nothing_written(case, saved, t
     elif case == "ranks":
         flags, expected = ["--ranks", "3", "--tensor-parallel-size", "2"], "--tensor-parallel-size 2 does not divide --ranks 3"
     elif case == "stage":
-        flags, expected = ["--ranks", "1", "--zero-stage", "4"], "--zero-stage 4"
+        flags, expected = ["--ranks", "1", "--zero-stage", "4"], "--zero-stage must be in [0, 3], got 4"
     elif case == "out_not_empty":
         out.mkdir()
         (out / "keep.txt").write_text("mine")

@@ -45,11 +45,6 @@ def frequent_token(pair):
     ends some completions and not others in every beam case (so both endings are compared).
     Found from the model, not hard-coded: which token that is depends on the initial weights."""
     ours, _ = pair
-    counts = {}
-    for seed in range(4):
-        for [hypo] in SequenceGenerator([ours], TinyDictionary(), max_new_tokens=9, temperature=0).generate([ours], _prompts(seed)):
-            for token in hypo["tokens"].tolist():
-                counts[token] = counts.get(token, 0) + 1
 
     def ends_both_ways(token):
         for beams, length_penalty in BEAM_CASES:
@@ -60,7 +55,17 @@ def frequent_token(pair):
                 return False
         return True
 
-    return next(token for token in sorted(counts, key=counts.get, reverse=True) if ends_both_ways(token))
+    return next(token for token in tokens_by_frequency(ours) if ends_both_ways(token))
+
+
+def tokens_by_frequency(model):
+    """The tokens `model` chooses greedily after the test prompts, the most frequent first."""
+    counts = {}
+    for seed in range(4):
+        for [hypo] in SequenceGenerator([model], TinyDictionary(), max_new_tokens=9, temperature=0).generate([model], _prompts(seed)):
+            for token in hypo["tokens"].tolist():
+                counts[token] = counts.get(token, 0) + 1
+    return sorted(counts, key=counts.get, reverse=True)
 
 
 @pytest.mark.parametrize("generation_fast", [False, True], ids=["as_trained", "generation_fast"])

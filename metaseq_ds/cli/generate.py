@@ -23,6 +23,7 @@ from typing import List, Optional, Sequence
 
 from metaseq_ds.errors import UsageError
 from metaseq_ds.generation_options import GenerationOptions, StopItem
+from metaseq_ds.streamed_text import StreamedText
 
 OUTPUT_FORMATS = ("text", "jsonl")
 
@@ -94,28 +95,19 @@ def print_result(prompt: str, completion: dict, output_format: str) -> None:
 
 
 class TokenPrinter:
-    """Prints a completion as its tokens arrive. Text that could still become a stop string is
-    held back until the next token decides, and the final text (stop string cut) ends the line."""
+    """Prints a completion as its tokens arrive (what `StreamedText` makes certain), and the rest
+    of the final text (stop string cut) at the end."""
 
     def __init__(self, interface, stop: Sequence[StopItem]):
-        self.interface = interface
-        self.hold = max((len(s) for s in stop if isinstance(s, str)), default=1) - 1
-        self.tokens: List[int] = []
-        self.printed = 0
+        self.text = StreamedText(interface.tokenizer.decode, interface.special_ids(),
+                                 [s for s in stop if isinstance(s, str)])
 
     def __call__(self, prompt_index: int, token: int) -> None:
-        self.tokens.append(token)
-        text = self.interface.tokenizer.decode([t for t in self.tokens if t not in self.interface.special_ids()])
-        ready = len(text) - self.hold
-        if text.endswith("\ufffd"):  # half of a multi-byte character: wait for the rest
-            ready = min(ready, len(text) - 1)
-        if ready > self.printed:
-            sys.stdout.write(text[self.printed:ready])
-            sys.stdout.flush()
-            self.printed = ready
+        sys.stdout.write(self.text.push(token))
+        sys.stdout.flush()
 
     def finish(self, final_text: str) -> None:
-        sys.stdout.write(final_text[self.printed:] + "\n")
+        sys.stdout.write(self.text.rest(final_text) + "\n")
         sys.stdout.flush()
 
 

@@ -16,6 +16,8 @@ from metaseq_ds.dataclass.configs import DatasetConfig  # pydantic only, as the 
 from metaseq_ds.dataclass.constraints import describe_range
 from metaseq_ds.errors import UsageError
 from metaseq_ds.generation_options import GenerationOptions  # pydantic only: --help stays free of torch
+from metaseq_ds.reshard import TargetLayout
+from metaseq_ds.serving.options import ServeOptions
 from migrate.options import Options as MigrateOptions
 
 app = typer.Typer(
@@ -111,6 +113,28 @@ def generate(
 
 
 @app.command()
+def serve(
+    path: str = typer.Option(..., "--path", help="checkpoint: a save dir (its last checkpoint) or a checkpoint_* dir"),
+    host: str = typer.Option(ServeOptions.host, "--host", help="address to listen on (0.0.0.0: every interface; give an --api-key then)"),
+    port: int = typer.Option(ServeOptions.port, "--port",
+                             help="TCP port (0: any free port; the address is printed)" + describe_range(ServeOptions, "port")),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MSEQ_API_KEY",
+                                          help="require 'Authorization: Bearer KEY' on every route but /health"),
+    max_batch_tokens: int = typer.Option(
+        ServeOptions.max_batch_tokens, "--max-batch-tokens",
+        help="decode at most this many KV-cache positions per batch (sequences x (longest prompt + most new tokens)); "
+             "larger requests are refused" + describe_range(ServeOptions, "max_batch_tokens")),
+    max_request_bytes: int = typer.Option(
+        ServeOptions.max_request_bytes, "--max-request-bytes",
+        help="refuse request bodies larger than this (HTTP 413)" + describe_range(ServeOptions, "max_request_bytes")),
+) -> None:
+    """Serve a checkpoint over HTTP: metaseq's hosted API, OpenAI-compatible completions, batched."""
+    from metaseq_ds.cli import serve as serve_module
+
+    run_guarded("serve", serve_module.main, ServeOptions(path, host, port, api_key, max_batch_tokens, max_request_bytes))
+
+
+@app.command()
 def migrate(
     paths: List[str] = typer.Argument(..., help="files or directories to migrate (in place)"),
     diff: bool = typer.Option(False, "--diff", help="print a unified diff and write nothing"),
@@ -177,9 +201,12 @@ def import_metaseq(
 def reshard(
     checkpoint: str = typer.Argument(..., metavar="CKPT", help="a save dir (its last checkpoint) or a checkpoint_* dir, any layout"),
     out: str = typer.Argument(..., metavar="OUT", help="new folder for the resharded checkpoint (must not exist, or be empty)"),
-    ranks: int = typer.Option(..., "--ranks", help="ranks of the run that will resume it"),
-    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", help="its tensor-parallel degree (divides --ranks and the heads)"),
-    zero_stage: Optional[int] = typer.Option(None, "--zero-stage", help="its ZeRO stage (default: the checkpoint's)"),
+    ranks: int = typer.Option(..., "--ranks", help="ranks of the run that will resume it" + describe_range(TargetLayout, "ranks")),
+    tensor_parallel_size: int = typer.Option(
+        1, "--tensor-parallel-size",
+        help="its tensor-parallel degree (divides --ranks and the heads)" + describe_range(TargetLayout, "tensor_parallel_size")),
+    zero_stage: Optional[int] = typer.Option(
+        None, "--zero-stage", help="its ZeRO stage (default: the checkpoint's)" + describe_range(TargetLayout, "zero_stage")),
 ) -> None:
     """Consolidate a training checkpoint (weights, fp32 master weights, Adam moments and step, data position) for another layout."""
     from metaseq_ds.cli import reshard as reshard_module

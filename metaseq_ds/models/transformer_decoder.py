@@ -8,8 +8,9 @@ activation checkpointing are applied from outside by swapping or wrapping the li
 (`modules.Linear`: an `nn.Linear` whose fp32 CPU products run on oneDNN) and layer submodules.
 
 Generation: with an `incremental_state` dict each attention layer keeps its keys and values
-(the KV cache), so a step runs only the new token and costs O(length) instead of a re-run
-of the whole sequence (see `metaseq_ds.models.base` for the calling convention).
+(the KV cache, `modules.kv_cache.KVCache`: buffers allocated once, written in place), so a
+step runs only the new token and costs O(length) instead of a re-run of the whole sequence
+(see `metaseq_ds.models.base` for the calling convention).
 """
 
 import math
@@ -19,9 +20,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from metaseq_ds.incremental_decoding_utils import with_incremental_state
+from metaseq_ds.incremental_decoding_utils import reserved_positions, with_incremental_state
 from metaseq_ds.models.base import BaseDecoder
 from metaseq_ds.modules import Dropout, LearnedPositionalEmbedding, Linear, SinusoidalPositionalEmbedding
+from metaseq_ds.modules.kv_cache import KVCache
 
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}  # exact gelu, as fairseq's "gelu" and HF's
 
@@ -58,11 +60,12 @@ class SelfAttention(nn.Module):
         k = k.view(B, T, -1, head_dim).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, -1, head_dim).transpose(1, 2)  # (B, nh, T, hs)
         if incremental_state is not None:
-            cache = self.get_incremental_state(incremental_state, "attn_state")
-            if cache is not None:
-                k = torch.cat([cache["prev_key"], k], dim=2)  # (B, nh, S, hs), S = cached + T
-                v = torch.cat([cache["prev_value"], v], dim=2)
-            self.set_incremental_state(incremental_state, "attn_state", {"prev_key": k, "prev_value": v})
+            saved = self.get_incremental_state(incremental_state, "attn_state")
+            if saved is None:  # the prompt: the cache starts with its keys and values
+                self.set_incremental_state(incremental_state, "attn_state",
+                                           {"kv": KVCache(k, v, capacity=reserved_positions(incremental_state))})
+            else:
+                k, v = saved["kv"].append(k, v)  # (B, nh, S, hs), S = cached + T, written in place
         y = F.scaled_dot_product_attention(
             q,
             k,
@@ -76,10 +79,9 @@ class SelfAttention(nn.Module):
         return self.out_proj(y)
 
     def reorder_incremental_state(self, incremental_state, new_order: torch.Tensor) -> None:
-        cache = self.get_incremental_state(incremental_state, "attn_state")
-        if cache is not None:
-            reordered = {name: tensor.index_select(0, new_order) for name, tensor in cache.items()}
-            self.set_incremental_state(incremental_state, "attn_state", reordered)
+        saved = self.get_incremental_state(incremental_state, "attn_state")
+        if saved is not None:
+            saved["kv"].select_rows(new_order)
 
 
 class TransformerDecoderLayer(nn.Module):

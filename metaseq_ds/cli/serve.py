@@ -1,0 +1,107 @@
+"""`mseq serve --path CKPT`: serve a checkpoint over HTTP with metaseq's hosted API, which is
+OpenAI's completions API (`metaseq_ds.serving`).
+
+    mseq serve --path checkpoints                      # http://127.0.0.1:6010
+    mseq serve --path checkpoints --host 0.0.0.0 --api-key "$KEY" --max-batch-tokens 32768
+    deepspeed --num_gpus 2 --module metaseq_ds.cli.serve --path CKPT   # the model split across 2 ranks
+
+Loads the model as `mseq generate` does (`GeneratorInterface.load_model`: under a launcher each
+rank keeps its tensor-parallel shard), then rank 0 listens and batches requests while the other
+ranks decode the batches rank 0 broadcasts. Ctrl-C or SIGTERM stops rank 0 (uvicorn's graceful
+shutdown: requests in flight are answered), which then tells the other ranks to stop; they
+ignore the signals themselves.
+"""
+
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Optional
+
+from metaseq_ds.errors import UsageError
+from metaseq_ds.serving.options import ServeOptions
+
+
+def main(options: ServeOptions) -> None:
+    options.validate()
+    path, api_key = options.path, options.api_key
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s | %(name)s | %(message)s")
+    rank, ranks = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if api_key == "":
+        raise UsageError("--api-key is empty: give a key, or leave the flag out to serve without one")
+    listener = bind(options.host, options.port) if rank == 0 else None  # before the model loads: a taken port fails fast
+    with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout; stdout is for the address line
+        from metaseq_ds.hub_utils import GeneratorInterface
+        from metaseq_ds.serving.runner import ModelRunner
+
+        interface = GeneratorInterface(path)
+        interface.load_model()
+    runner = ModelRunner(interface, ranks)
+    if listener is None:
+        # The other ranks stop when rank 0 says so, after the batch in flight (a launcher signals
+        # every rank at once; one that left early would strand rank 0's collectives).
+        for stop in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(stop, signal.SIG_IGN)
+        runner.follow()
+        return
+    try:
+        serve(interface, runner, listener, Path(path).resolve().name, api_key, options.max_batch_tokens,
+              options.max_request_bytes)
+    finally:
+        runner.stop()
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (not listening yet: connections are refused until the model is loaded)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+    except OSError as error:
+        raise UsageError(f"--host {host} --port {port}: cannot listen there ({error.strerror or error})") from None
+    return listener
+
+
+def serve(interface, runner, listener: socket.socket, model_name: str, api_key: Optional[str],
+          max_batch_tokens: int, max_request_bytes: int) -> None:
+    """Serve on `listener` until a signal stops uvicorn; then finish the batch being decoded."""
+    import uvicorn
+
+    app, batcher = build_app(interface, runner, model_name, api_key, max_batch_tokens, max_request_bytes)
+    host, port = listener.getsockname()[:2]
+    listener.listen(2048)  # from here connections queue until uvicorn accepts them: the address is usable
+    print(f"mseq serve: {model_name} on http://{host}:{port} (POST /v1/completions; "
+          f"{'API key required' if api_key else 'no API key'})", flush=True)
+    # uvicorn stops gracefully on SIGINT and SIGTERM, then raises the signal again for the handler
+    # that was there before: let that be a KeyboardInterrupt for both, so that the batcher still
+    # finishes and the other ranks are told to stop.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=30)).run(sockets=[listener])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        batcher.close()
+
+
+def build_app(interface, runner, model_name: str, api_key: Optional[str], max_batch_tokens: int,
+              max_request_bytes: int):
+    """The FastAPI app and its running batcher (close it after the app stops)."""
+    from metaseq_ds.serving.app import create_app
+    from metaseq_ds.serving.batcher import Batcher
+    from metaseq_ds.serving.completions import Completions
+
+    batcher = Batcher(runner, max_batch_tokens).start()
+    return create_app(Completions(interface, batcher, model_name), api_key, max_request_bytes), batcher
+
+
+if __name__ == "__main__":
+    # `deepspeed --module metaseq_ds.cli.serve ...` (or torchrun -m): the rank comes from the
+    # environment; the deepspeed launcher's own --local_rank=N is not ours.
+    from metaseq_ds.cli.main import main as mseq_main
+
+    mseq_main(["serve", *[arg for arg in sys.argv[1:] if not arg.startswith("--local_rank")]])

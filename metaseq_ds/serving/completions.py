@@ -1,0 +1,143 @@
+"""`Completions`: a parsed request in, an OpenAI response (or its server-sent events) out.
+
+Prompts are encoded as `mseq generate` encodes them (text after `</s>`, token ids as given) and
+checked against the model and the server's limits before anything is queued: a prompt longer
+than the model's positions, `max_tokens` beyond them, `logprobs` over `MAX_LOGPROBS`, or a
+request larger than `--max-batch-tokens` is a 400 naming the field. Then the request becomes one
+`Job` for the batcher, and its results become choices: for prompt i, completions i*n .. i*n+n-1.
+
+Streaming (`stream: true`): with greedy decoding or sampling with `best_of` 1 and no
+`logprobs`, the text is sent as its tokens are chosen (`StreamedText` holds back what a stop
+string or half a character could still change); the last chunk of each choice completes its
+text and carries `finish_reason` once the batch is done. A completion chosen only at the end
+(beam search, the best `n` of `best_of` samples) or with `logprobs` comes in one chunk per
+choice when the batch is done, its logprobs matching its text. Either way the chunks of a choice
+join to the text of the same request without `stream`.
+"""
+
+import asyncio
+import time
+import uuid
+from typing import Any, AsyncIterator, Dict, Iterator, List, Sequence, Tuple
+
+from metaseq_ds.errors import UsageError
+from metaseq_ds.serving import protocol
+from metaseq_ds.serving.batcher import Batcher, Done, Failed, Job, Token
+from metaseq_ds.serving.protocol import CompletionRequest, RequestError
+from metaseq_ds.streamed_text import StreamedText
+
+# Each position of a response carries this many alternatives at most (a bound on its size).
+MAX_LOGPROBS = 20
+
+
+class ServerFault(Exception):
+    """Decoding failed for a reason of the server's, not the request's (HTTP 500)."""
+
+
+class Completions:
+    """Turns requests into batcher jobs and their results into responses, for `interface`'s model."""
+
+    def __init__(self, interface, batcher: Batcher, model_name: str):
+        self.interface = interface
+        self.batcher = batcher
+        self.model_name = model_name
+        self.positions = interface.max_positions()
+
+    def job(self, request: CompletionRequest, deliver) -> Job:
+        """The request as a job, or `RequestError` (400) if the model or the server cannot take it."""
+        options = request.options
+        if options.max_tokens >= self.positions:
+            raise RequestError(400, f"max_tokens must be <= {self.positions - 1} (the model has {self.positions} "
+                                    f"positions), got {options.max_tokens}", "max_tokens")
+        if options.logprobs > MAX_LOGPROBS:
+            raise RequestError(400, f"logprobs must be <= {MAX_LOGPROBS} on this server, got {options.logprobs}",
+                               "logprobs")
+        try:
+            prompts = [self.interface.encode(prompt, index) for index, prompt in enumerate(request.prompts)]
+        except UsageError as error:
+            raise RequestError(400, str(error), "prompt") from None
+        stream_tokens = request.stream and options.best_of == 1 and not request.logprobs
+        job = Job(prompts, options, self.positions, deliver, stream_tokens=stream_tokens)
+        if job.batch_tokens > self.batcher.max_batch_tokens:
+            raise RequestError(400, f"the request needs {job.batch_tokens} batch tokens ({job.rows} sequences of up to "
+                                    f"{job.prompt_length} + {job.new_tokens} tokens); this server decodes at most "
+                                    f"{self.batcher.max_batch_tokens} per batch: lower max_tokens, n, best_of or "
+                                    "the number of prompts", "max_tokens")
+        return job
+
+    def submit(self, request: CompletionRequest):
+        """Queue the request; returns its job and the asyncio queue its events arrive on."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def deliver(event) -> None:  # on the batcher's thread
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the event loop is gone: the server is stopping
+                pass
+
+        job = self.job(request, deliver)
+        self.batcher.submit(job)
+        return job, events
+
+    def meta(self) -> Dict[str, Any]:
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name}
+
+    async def complete(self, request: CompletionRequest) -> Dict[str, Any]:
+        """The response of a request without `stream`."""
+        job, events = self.submit(request)
+        while True:
+            event = await events.get()
+            if isinstance(event, Failed):
+                raise ServerFault(event.message)
+            if isinstance(event, Done):
+                break
+        choices = [protocol.choice(index, result, request.logprobs) for index, _, result in _choices(event.results)]
+        new_tokens = sum(self._new_tokens(result, job.prompts[prompt], request)
+                         for _, prompt, result in _choices(event.results))
+        return protocol.completion(self.meta(), choices, sum(len(p) for p in job.prompts), new_tokens)
+
+    def stream(self, request: CompletionRequest) -> AsyncIterator[str]:
+        """The server-sent events of a request with `stream` (queued now: a bad request raises here)."""
+        job, events = self.submit(request)
+        return self._events(request, job, events, self.meta())
+
+    async def _events(self, request: CompletionRequest, job: Job, events: asyncio.Queue,
+                      meta: Dict[str, Any]) -> AsyncIterator[str]:
+        texts = [self._streamed_text(request, prompt) for prompt in job.prompts] if job.stream_tokens else []
+        while True:
+            event = await events.get()
+            if isinstance(event, Token):
+                piece = texts[event.prompt].push(event.token)
+                if piece:  # one choice per prompt when tokens stream (n = best_of = 1)
+                    yield protocol.chunk(meta, event.prompt, piece)
+            elif isinstance(event, Done):
+                for index, prompt, result in _choices(event.results):
+                    text = texts[prompt].rest(result["text"]) if job.stream_tokens else result["text"]
+                    logprobs = protocol.logprobs_object(result) if request.logprobs else None
+                    yield protocol.chunk(meta, index, text, logprobs, protocol.FINISH_REASONS[result["finish_reason"]])
+                break
+            else:
+                yield protocol.event(protocol.error_body(event.message, kind="server_error"))
+                break
+        yield protocol.DONE
+
+    def _streamed_text(self, request: CompletionRequest, prompt: List[int]) -> StreamedText:
+        stop_strings = [s for s in request.options.stop if isinstance(s, str)]
+        return StreamedText(self.interface.tokenizer.decode, self.interface.special_ids(), stop_strings,
+                            prompt=prompt if request.options.echo else ())
+
+    def _new_tokens(self, result: dict, prompt: List[int], request: CompletionRequest) -> int:
+        """Completion tokens of a result for `usage`: its tokens without the echoed prompt."""
+        echoed = sum(t not in self.interface.special_ids() for t in prompt) if request.options.echo else 0
+        return len(result["tokens"]) - echoed
+
+
+def _choices(results: Sequence[List[dict]]) -> Iterator[Tuple[int, int, dict]]:
+    """(choice index, prompt index, result) in OpenAI's order: prompt by prompt, n completions each."""
+    index = 0
+    for prompt, prompt_results in enumerate(results):
+        for result in prompt_results:
+            yield index, prompt, result
+            index += 1
