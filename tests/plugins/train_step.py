@@ -21,6 +21,7 @@ from metaseq_ds.options import parse_train_config
 cfg = parse_train_config([
     "--user-dir", sys.argv[1], "--task", "counting", "--arch", "bag_of_words_tiny", "--criterion", "token_nll",
 ])
+torch.manual_seed(0)  # the plugin's model draws its own initial values: the same ones on every run
 task = tasks.setup_task(cfg.task)
 model = task.build_model(cfg.model)
 criterion = task.build_criterion(cfg.criterion)
