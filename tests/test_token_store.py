@@ -316,3 +316,42 @@ def test_a_store_pickles_without_its_tokens(corpus):
     assert isinstance(copy, TokenStore) and len(pickle.dumps(store)) < store.tokens.nbytes
     assert copy.document(3).tolist() == store.document(3).tolist()
 
+
+
+# ---- mseq preprocess -----------------------------------------------------------------------
+
+
+def test_preprocess_builds_every_split_so_that_training_tokenizes_nothing(corpus, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from metaseq_ds.cli.main import app
+
+    cache = tmp_path / "cache"
+    env = {"COLUMNS": "150", "TERM": "dumb", "NO_COLOR": "1"}
+    result = CliRunner().invoke(app, ["preprocess", str(corpus), "--workers", "2", "--data-cache-dir", str(cache)], env=env)
+    assert result.exit_code == 0, result.output
+    table = [line for line in result.stdout.splitlines() if line.startswith("│")]
+    assert [line.split("│")[1:3] for line in table] == [[" train ", " 00    "], [" train ", " 01    "], [" valid ", " 00    "]]
+    assert all("built in" in line for line in table)
+    again = CliRunner().invoke(app, ["preprocess", str(corpus), "--data-cache-dir", str(cache)], env=env)
+    assert [line.count("existed") for line in again.stdout.splitlines() if line.startswith("│")] == [1, 1, 1]
+    task = task_for(corpus, data_cache_dir=str(cache))
+    reads = Reads(monkeypatch, task.tokenizer)
+    next(task.get_batch_iterator("train", batch_size=2).next_epoch_itr())
+    next(task.get_batch_iterator("valid", batch_size=2).next_epoch_itr())
+    assert reads.tokenized == 0
+
+
+def test_preprocess_of_a_malformed_corpus_is_one_line_and_exit_2(tmp_path):
+    data = tmp_path / "data"
+    write_jsonl(data / "train" / "00" / "a.jsonl", ["fine"])
+    with open(data / "train" / "00" / "a.jsonl", "a") as f:
+        f.write('{"txt": "no text field"}\n')
+    result = subprocess.run([sys.executable, "-m", "metaseq_ds.cli.main", "preprocess", str(data)], capture_output=True, text=True)
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("mseq preprocess: error:")]
+    assert errors == [f'mseq preprocess: error: {data}/train/00/a.jsonl:2: needs a JSON object with a "text" string field']
+    assert "Traceback" not in result.stderr
+    result = subprocess.run([sys.executable, "-m", "metaseq_ds.cli.main", "preprocess", str(tmp_path / "nowhere")],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "DATA: directory" in result.stderr

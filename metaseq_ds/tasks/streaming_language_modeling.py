@@ -26,7 +26,7 @@ import logging
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Literal, Optional
+from typing import List, Literal, Optional
 
 import numpy as np
 
@@ -36,7 +36,7 @@ from metaseq_ds.data.jsonl import check_data_dir, shard_dirs
 from metaseq_ds.data.prefetch import background_batches
 from metaseq_ds.data.sample_index import IndexedSamples
 from metaseq_ds.data.store_builder import default_workers
-from metaseq_ds.data.token_store import open_store, store_root
+from metaseq_ds.data.token_store import TokenStore, open_store, store_root
 from metaseq_ds.dataclass import MetaseqDataclass
 from metaseq_ds.errors import UsageError
 from metaseq_ds.tasks import LegacyTask, register_task
@@ -132,12 +132,15 @@ class StreamingLanguageModelingTask(LegacyTask):
             drop_last=training,
         )
 
-    def token_stores(self, split: str, workers: Optional[int] = None, progress=None):
-        """One token store per shard of `split`, in shard order; `workers` processes tokenize
-        the missing ones (default: this machine's CPUs), reporting jsonl bytes to `progress`."""
+    def token_stores(self, split: str, workers: Optional[int] = None) -> List[TokenStore]:
+        """One token store per shard of `split`, in shard order (see `token_store`)."""
+        return [self.token_store(split, shard, workers) for shard in shard_dirs(self.data_dir, split)]
+
+    def token_store(self, split: str, shard: Path, workers: Optional[int] = None, progress=None) -> TokenStore:
+        """The token store of one shard directory of `split`, built if missing by `workers`
+        processes (default: this machine's CPUs), which report jsonl bytes done to `progress`."""
         root = store_root(self.data_dir, self.args.data_cache_dir)
-        workers = workers or default_workers()
-        return [open_store(root, split, shard, self.tokenizer, self.eod, workers, progress) for shard in shard_dirs(self.data_dir, split)]
+        return open_store(root, split, shard, self.tokenizer, self.eod, workers or default_workers(), progress)
 
     def get_batch_iterator(
         self,
