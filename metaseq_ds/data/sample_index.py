@@ -18,6 +18,7 @@ reads only the samples of its rows. `document_blocks` remains the definition: a 
 both for every mode, seed, epoch and rank split.
 """
 
+import threading
 from collections import OrderedDict
 from typing import Callable, Dict, List, Tuple
 
@@ -69,17 +70,19 @@ class IndexedSamples:
         self.block_size, self.break_mode = block_size, break_mode
         self.shuffle, self.drop_last = shuffle, drop_last
         self._recent: "OrderedDict[Tuple[int, int], EpochSamples]" = OrderedDict()
+        self._lock = threading.Lock()  # prefetch threads of two iterators may ask at once
 
     def epoch(self, epoch: int, seed: int) -> EpochSamples:
         """Epoch `epoch`'s samples (the last two epochs' indexes are kept: validation asks again and again)."""
         key = (epoch, seed)
-        if key not in self._recent:
-            store = self.stores[(epoch - 1) % len(self.stores)]
-            order = document_order(len(store), epoch, seed, self.shuffle)
-            self._recent[key] = EpochSamples(store, order, self.block_size, self.break_mode, self.drop_last)
-            while len(self._recent) > 2:
-                self._recent.popitem(last=False)
-        return self._recent[key]
+        with self._lock:
+            if key not in self._recent:
+                store = self.stores[(epoch - 1) % len(self.stores)]
+                order = document_order(len(store), epoch, seed, self.shuffle)
+                self._recent[key] = EpochSamples(store, order, self.block_size, self.break_mode, self.drop_last)
+                while len(self._recent) > 2:
+                    self._recent.popitem(last=False)
+            return self._recent[key]
 
 
 def _none_spans(lengths: np.ndarray, doc_starts: np.ndarray, block_size: int, drop_last: bool) -> Spans:

@@ -138,7 +138,7 @@ def open_store(
     request = StoreRequest.for_shard(shard, tokenizer, eod)
     folder = root / split / shard.name
     path = folder / request.key
-    store = _open_valid(path, request)
+    store = _open_valid(path, request, quiet=True)
     if store is not None:
         return store
     try:
@@ -159,8 +159,9 @@ def open_store(
         lock.release()
 
 
-def _open_valid(path: Path, request: StoreRequest) -> Optional[TokenStore]:
-    """The store at `path` if it is complete and was built from exactly what `request` names."""
+def _open_valid(path: Path, request: StoreRequest, quiet: bool = False) -> Optional[TokenStore]:
+    """The store at `path` if it is complete and was built from exactly what `request` names
+    (`quiet`: say nothing of an unusable one, which is looked at again under the lock)."""
     try:
         meta = json.loads((path / META_FILE).read_text())
         expected = request.expected_meta()
@@ -176,7 +177,8 @@ def _open_valid(path: Path, request: StoreRequest) -> Optional[TokenStore]:
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as problem:
-        logger.warning(f"token store {path} is not usable ({problem}): rebuilding it")
+        if not quiet:
+            logger.warning(f"token store {path} is not usable ({problem}): rebuilding it")
         return None
 
 
