@@ -123,8 +123,8 @@ def make_task(data: Path, vocab: Path, merges: Path, **values):
 # ---- (a) build throughput ------------------------------------------------------------------
 
 
-def bench_build(data: Path, vocab: Path, merges: Path, megabytes: int, workdir: Path, workers: List[int]) -> Dict:
-    from metaseq_ds.data.jsonl import document_text
+def bench_build(data: Path, vocab: Path, merges: Path, megabytes: int, workdir: Path, workers: List[int], repeats: int) -> Dict:
+    from metaseq_ds.data.jsonl_record import document_text
     from metaseq_ds.data.token_store import open_store
 
     shard = workdir / "build_corpus" / "train" / "00"  # the first files of the corpus, linked
@@ -139,28 +139,41 @@ def bench_build(data: Path, vocab: Path, merges: Path, megabytes: int, workdir: 
     task = make_task(shard.parent.parent, vocab, merges)
     tokenizer, eod = task.tokenizer, task.eod
 
-    started = time.perf_counter()
-    tokens = 0
-    for path in sorted(shard.glob("*.jsonl")):
-        with open(path, "rb") as f:
-            for line in f:
-                if line.strip():
-                    tokens += len(np.array(tokenizer.encode(document_text(line).rstrip()) + [eod], dtype=np.int64))
-    loop = time.perf_counter() - started
-    rows = {"loop": {"seconds": loop, "mb_s": size / 1e6 / loop, "tokens_s": tokens / loop}}
-    for count in workers:
+    def loop() -> int:
+        tokens = 0
+        for path in sorted(shard.glob("*.jsonl")):
+            with open(path, "rb") as f:
+                for line in f:
+                    if line.strip():
+                        tokens += len(np.array(tokenizer.encode(document_text(line).rstrip()) + [eod], dtype=np.int64))
+        return tokens
+
+    def build(count: int) -> int:
         root = workdir / f"build_store_{count}"
         shutil.rmtree(root, ignore_errors=True)
-        started = time.perf_counter()
-        store = open_store(root, "train", shard, tokenizer, eod, workers=count)
-        seconds = time.perf_counter() - started
-        assert store.meta["tokens"] == tokens, (store.meta["tokens"], tokens)
-        rows[f"store, {count} worker(s)"] = {"seconds": seconds, "mb_s": size / 1e6 / seconds, "tokens_s": tokens / seconds}
+        tokens = open_store(root, "train", shard, tokenizer, eod, workers=count).meta["tokens"]
         shutil.rmtree(root)
+        return tokens
+
+    sides = {"loop": loop, **{f"store, --workers {count}": partial(build, count) for count in workers}}
+    seconds: Dict[str, List[float]] = {name: [] for name in sides}
+    counts = set()
+    for _ in range(repeats):  # the sides alternate, so that load on a shared machine hits them alike
+        for name, side in sides.items():
+            started = time.perf_counter()
+            counts.add(side())
+            seconds[name].append(time.perf_counter() - started)
+    assert len(counts) == 1, counts  # every side produced the same tokens
+    tokens = counts.pop()
+    rows = {name: {"seconds": statistics.median(times), "all_seconds": times} for name, times in seconds.items()}
+    for row in rows.values():
+        row.update(mb_s=size / 1e6 / row["seconds"], tokens_s=tokens / row["seconds"])
+    loop_seconds = rows["loop"]["seconds"]
     print(f"\n(a) token store build: {size / 1e6:.0f} MB of jsonl, {tokens:,} tokens, vocabulary {tokenizer.vocab_size}")
+    print(f"median of {repeats} runs each, taken in turn")
     print("| | seconds | jsonl MB/s | tokens/s | vs loop |\n|---|---|---|---|---|")
     for name, row in rows.items():
-        print(f"| {name} | {row['seconds']:.1f} | {row['mb_s']:.2f} | {row['tokens_s']:,.0f} | {loop / row['seconds']:.2f}x |")
+        print(f"| {name} | {row['seconds']:.1f} | {row['mb_s']:.2f} | {row['tokens_s']:,.0f} | {loop_seconds / row['seconds']:.2f}x |")
     return {"megabytes": size / 1e6, "tokens": tokens, "rows": rows}
 
 
@@ -310,8 +323,9 @@ def main() -> None:
     parser.add_argument("--parts", default="build,resume,train", help="comma-separated: build, resume, train")
     parser.add_argument("--workdir", type=Path, help="keep the corpus, tokenizer and stores here (default: a temporary folder)")
     parser.add_argument("--corpus-mb", type=int, default=200, help="train jsonl generated for (b) and (c)")
-    parser.add_argument("--build-mb", type=int, default=64, help="jsonl of the build comparison (a)")
+    parser.add_argument("--build-mb", type=int, default=32, help="jsonl of the build comparison (a)")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2], help="worker counts of (a)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each side of (a), in turn")
     parser.add_argument("--merges", type=int, default=50_000)
     parser.add_argument("--resume-iteration", type=int, default=50_000)
     parser.add_argument("--updates", type=int, default=60, help="updates of each run of (c)")
@@ -332,7 +346,7 @@ def main() -> None:
     results = {"cpus": os.cpu_count(), "load_average_at_start": os.getloadavg()}
     parts = args.parts.split(",")
     if "build" in parts:
-        results["build"] = bench_build(data, vocab, merges, args.build_mb, workdir, args.workers)
+        results["build"] = bench_build(data, vocab, merges, args.build_mb, workdir, args.workers, args.repeats)
     if "resume" in parts:
         results["resume"] = bench_resume(data, vocab, merges, args.resume_iteration)
     if "train" in parts:

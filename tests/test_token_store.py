@@ -269,6 +269,16 @@ def test_parallel_build_writes_the_same_store_as_one_process(tmp_path, monkeypat
     assert [parallel.document(d).tolist() for d in (0, 77, 199)] == [task.tokenize(documents[d]).tolist() for d in (0, 77, 199)]
 
 
+def test_tokenizing_workers_start_without_torch():
+    """Each worker process imports what it runs; torch would add seconds to every build's start."""
+    code = (
+        "import sys\n"
+        "import metaseq_ds.data.store_builder, metaseq_ds.data.tokenizers\n"
+        "from metaseq_ds.data import ByteTokenizer\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
 def test_the_first_process_builds_while_the_others_wait(tmp_path):
     from filelock import FileLock
 

@@ -9,7 +9,6 @@ file is one JSON object whose "text" field is a document. Files are indexed (byt
 every line) on first use and read line by line on demand, so corpora may exceed memory.
 """
 
-import json
 from array import array
 from pathlib import Path
 from typing import List, Optional, Tuple
@@ -18,6 +17,7 @@ import numpy as np
 import torch
 
 from metaseq_ds.data.base_dataset import BaseDataset
+from metaseq_ds.data.jsonl_record import MalformedLine, document_text
 from metaseq_ds.errors import UsageError
 
 
@@ -56,21 +56,6 @@ class JsonlDataset(BaseDataset):
             return document_text(line)
         except MalformedLine as error:
             raise UsageError(f"{self.path}:{self._line_numbers[index]}: {error}") from None
-
-
-class MalformedLine(ValueError):
-    """A jsonl line that holds no document; the message says why (the caller names file:line)."""
-
-
-def document_text(line: bytes) -> str:
-    """The "text" field of one jsonl line."""
-    try:
-        record = json.loads(line)
-    except ValueError as error:  # JSONDecodeError and UnicodeDecodeError
-        raise MalformedLine(f"not a JSON object ({str(error).splitlines()[0]})") from None
-    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-        raise MalformedLine('needs a JSON object with a "text" string field')
-    return record["text"]
 
 
 class JsonlSplit:

@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Tuple
 
 import numpy as np
 
-from metaseq_ds.data.document_blocks import BREAK_MODES, document_order
+from metaseq_ds.data.break_modes import BREAK_MODES, document_order
 from metaseq_ds.data.token_store import TokenStore
 from metaseq_ds.errors import UsageError
 

@@ -23,7 +23,7 @@ from typing import Callable, Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 
-from metaseq_ds.data.jsonl import MalformedLine, document_text
+from metaseq_ds.data.jsonl_record import MalformedLine, document_text
 from metaseq_ds.errors import UsageError
 
 logger = logging.getLogger(__name__)
