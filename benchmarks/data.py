@@ -245,13 +245,12 @@ def bench_resume(data: Path, vocab: Path, merges: Path, iteration: int) -> Dict:
 # ---- (c) end-to-end training: does the step wait on data? -----------------------------------
 
 
-MODEL = ["--arch", "transformer_lm", "--decoder-embed-dim", "256", "--decoder-layers", "4", "--decoder-attention-heads", "4",
-         "--decoder-ffn-embed-dim", "1024", "--decoder-learned-pos", "--decoder-normalize-before",
-         "--share-decoder-input-output-embed", "--no-scale-embedding", "--activation-fn", "relu", "--dropout", "0.1"]
-
-
 def train_flags(data: Path, vocab: Path, merges: Path, args) -> List[str]:
-    return [str(data), *tokenizer_flags(vocab, merges), *MODEL, "--tokens-per-sample", str(args.seq), "--batch-size",
+    model = ["--arch", "transformer_lm", "--decoder-embed-dim", str(args.dim), "--decoder-layers", str(args.layers),
+             "--decoder-attention-heads", str(args.dim // 64), "--decoder-ffn-embed-dim", str(4 * args.dim),
+             "--decoder-learned-pos", "--decoder-normalize-before", "--share-decoder-input-output-embed",
+             "--no-scale-embedding", "--activation-fn", "relu", "--dropout", "0.1"]
+    return [str(data), *tokenizer_flags(vocab, merges), *model, "--tokens-per-sample", str(args.seq), "--batch-size",
             str(args.batch), "--optimizer", "adam", "--lr", "1e-4", "--lr-scheduler", "inverse_sqrt", "--warmup-updates", "1",
             "--max-update", str(args.updates), "--log-interval", str(args.log_interval), "--log-format", "json",
             "--progress-bar", "none", "--disable-validation", "--no-save", "--seed", "1"]
@@ -309,7 +308,7 @@ def bench_train(data: Path, vocab: Path, merges: Path, args, workdir: Path) -> D
         print(f"  {side}: wps per window {[round(w) for w in wps]}", flush=True)
     step = statistics.mean(w for side, w in figures if side == "train_step only")
     train = statistics.mean(w for side, w in figures if side == "mseq train")
-    print(f"\n(c) end to end: {data} ({args.corpus_mb} MB of jsonl), width 256, 4 layers, vocabulary of the BPE, "
+    print(f"\n(c) end to end: {data} ({args.corpus_mb} MB of jsonl), width {args.dim}, {args.layers} layers, vocabulary of the BPE, "
           f"batch {args.batch} x {args.seq} tokens, fp32, 1 process; median wps of {args.log_interval}-update windows")
     print("| run | wps |\n|---|---|")
     for side, wps in figures:
@@ -330,8 +329,10 @@ def main() -> None:
     parser.add_argument("--resume-iteration", type=int, default=50_000)
     parser.add_argument("--updates", type=int, default=60, help="updates of each run of (c)")
     parser.add_argument("--log-interval", type=int, default=10)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=256, help="(c): tokens per sample")
+    parser.add_argument("--batch", type=int, default=4, help="(c): micro-batch")
+    parser.add_argument("--dim", type=int, default=128, help="(c): model width (heads of 64)")
+    parser.add_argument("--layers", type=int, default=2, help="(c): model layers")
     parser.add_argument("--quick", action="store_true", help="24 MB corpus, 8 MB build, iteration 5,000, 30 updates")
     parser.add_argument("--step-only", help=argparse.SUPPRESS)  # (c)'s train_step-only side, in its own process
     args = parser.parse_args()

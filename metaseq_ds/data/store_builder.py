@@ -119,6 +119,7 @@ def build_shard_arrays(
     Returns (documents, tokens). `progress(n)` is called with the jsonl bytes of each chunk done.
     """
     chunks = [chunk for path in files for chunk in line_aligned_chunks(path)]
+    workers = max(1, min(workers, len(chunks)))
     started = time.perf_counter()
     lengths: List[np.ndarray] = []
     lines_before = 0  # lines of the current file in the chunks already written
@@ -148,8 +149,7 @@ def build_shard_arrays(
 
 def _encoded(chunks: List[Chunk], encoder: ChunkEncoder, workers: int) -> Iterator[Union[EncodedChunk, BadLine]]:
     """The chunks' results in order; at most 2 chunks per worker in flight (bounded memory)."""
-    workers = min(workers, len(chunks))
-    if workers <= 1:
+    if workers == 1:
         yield from map(encoder, chunks)
         return
     # forkserver, not fork: the caller may be a training process with threads (gloo, data

@@ -43,6 +43,8 @@ from metaseq_ds.tasks import LegacyTask, register_task
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_DATA_BUFFER_SIZE = 10  # metaseq's --data-buffer-size default
+
 
 @dataclass
 class StreamingLanguageModelingConfig(MetaseqDataclass):
@@ -79,8 +81,6 @@ class StreamingLanguageModelingConfig(MetaseqDataclass):
         metadata={"help": "where the token stores (each shard tokenized once, memory-mapped) are kept "
                   "(default: DATA/.token_store, beside the data; use this if DATA is read-only)"},
     )
-
-DEFAULT_DATA_BUFFER_SIZE = 10  # metaseq's --data-buffer-size default
 
 
 @register_task("streaming_language_modeling", dataclass=StreamingLanguageModelingConfig)
