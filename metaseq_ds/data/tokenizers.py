@@ -2,8 +2,8 @@
 
 All tokenizers share one small interface: `encode(text) -> List[int]`, `encode_batch(texts)`,
 `decode(ids) -> str`, `vocab_size`, `token_to_id(symbol)`, `id_to_token(id)`, `fingerprint()`
-(what a token store records, so that ids from another tokenizer are never misread); and all put `<s>`, `<pad>`, `</s>`,
-`<unk>` at ids 0..3, as OPT's vocabulary does. `build_tokenizer` picks one from the task's
+(what a token store records, so that ids from another tokenizer are never misread); and all
+put `<s>`, `<pad>`, `</s>`, `<unk>` at ids 0..3, as OPT's vocabulary does. `build_tokenizer` picks one from the task's
 flags: `--hf-tokenizer` > `--vocab-filename` + `--merges-filename` > the byte tokenizer.
 """
 
