@@ -6,7 +6,7 @@ These are the denominators of the training benchmark's MFU (model FLOPs / s over
 peak of the same dtype). Each figure is the median of repeated timings over about `--seconds`,
 with torch's default threads (all cores) unless `--threads`; matmuls are square. Both of
 PyTorch's CPU matmul libraries are timed: `torch.mm` (MKL for fp32, oneDNN for bf16) and
-oneDNN directly (`torch.ops.mkldnn._linear_pointwise`, what `metaseq_ds.modules.Linear` uses
+oneDNN directly (`metaseq_ds.private_apis.onednn_linear`, what `metaseq_ds.modules.Linear` uses
 for fp32). The peak is the best of all: what the hardware sustains on the most favourable
 shape and library.
 """
@@ -17,6 +17,8 @@ import time
 from typing import Callable, Dict
 
 import torch
+
+from metaseq_ds.private_apis import onednn_linear
 
 SIZES = (1024, 2048, 4096)
 
@@ -40,7 +42,7 @@ def matmul_gflops(size: int, dtype: torch.dtype, library: str, seconds: float) -
     def product():
         if library == "torch.mm":
             return torch.mm(a, b, out=out)
-        return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")  # a @ b.T
+        return onednn_linear(a, b)  # a @ b.T
 
     return 2 * size**3 / median_seconds(product, seconds) / 1e9
 

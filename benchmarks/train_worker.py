@@ -5,7 +5,8 @@
 
 `benchmarks/train.py` runs it; it is not meant to be called by hand. Both sides get the DeepSpeed
 config that metaseq_ds derives from the same flags (`build_deepspeed_config`), the same torch
-AdamW hyper-parameters and the same random tokens, step by step. Ours runs the production
+AdamW hyper-parameters (both on torch's fused AdamW kernel on the CPU) and the same random
+tokens, step by step. Ours runs the production
 pieces: `Trainer.train_step` (our model, cross_entropy criterion, loss normalisation); Hugging
 Face runs `OPTForCausalLM(attn_implementation="sdpa")` with `labels=input_ids` on a DeepSpeed
 engine, as its users write it. Each rank writes `<side>.rank<r>.json`: seconds per step, loss,
@@ -79,15 +80,18 @@ class RandomTokensTask(BaseTask):
 StepFn = Callable[[torch.Tensor], float]  # (B, T + 1) tokens -> the step's mean loss in nats
 
 
-def our_step_fn(cfg, args) -> Tuple[StepFn, object]:
+def our_step_fn(cfg, args, ds_config) -> Tuple[StepFn, object]:
+    """`mseq train`'s construction (meta device, materialised rank by rank) and `Trainer.train_step`."""
     from metaseq_ds import criterions
-    from metaseq_ds.models import build_model
+    from metaseq_ds.distributed.materialize import build_model
+    from metaseq_ds.models.initialization import InitialValues
     from metaseq_ds.trainer import Trainer
 
     task = RandomTokensTask(cfg.task)
-    model = build_model(cfg.model, task)
     criterion = criterions.build_criterion(cfg.criterion, task)
-    trainer = Trainer(cfg, task, model, criterion)
+    zero3_config = ds_config if ds_config["zero_optimization"]["stage"] == 3 else None
+    model = build_model(cfg, task, criterion, lambda model: InitialValues(model, model.init_seed), zero3_config)
+    trainer = Trainer(cfg, task, model, criterion, ds_config)
 
     def step(tokens: torch.Tensor) -> float:
         sample = {  # as the data pipeline makes them (document_blocks.collate)
@@ -101,19 +105,18 @@ def our_step_fn(cfg, args) -> Tuple[StepFn, object]:
     return step, trainer.engine
 
 
-def hf_step_fn(cfg, args) -> Tuple[StepFn, object]:
+def hf_step_fn(cfg, args, ds_config) -> Tuple[StepFn, object]:
     import deepspeed
     from transformers import OPTForCausalLM
 
-    from metaseq_ds.distributed.deepspeed_config import build_deepspeed_config
     from metaseq_ds.models.hf_opt import to_hf_config
 
     hf_config = to_hf_config(cfg.model, vocab_size=VOCAB)
     model = OPTForCausalLM._from_config(hf_config, attn_implementation="sdpa")
     opt = cfg.optimizer
+    # torch's fused AdamW kernel: what Hugging Face's Trainer picks by default with torch >= 2.8.
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=tuple(opt.adam_betas), eps=opt.adam_eps,
-                                  weight_decay=opt.weight_decay)
-    ds_config = build_deepspeed_config(cfg, args.world_size, fp16_supported=False)
+                                  weight_decay=opt.weight_decay, fused=True)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
 
     def step(tokens: torch.Tensor) -> float:
@@ -157,13 +160,15 @@ def main() -> None:
     args = parser.parse_args()
 
     from metaseq_ds.distributed import utils as dist_utils
+    from metaseq_ds.distributed.deepspeed_config import build_deepspeed_config
     from metaseq_ds.options import parse_train_config
 
     dist_utils.init_distributed()
     args.world_size, rank = dist_utils.get_world_size(), dist_utils.get_global_rank()
     cfg = parse_train_config(train_flags(args))
     torch.manual_seed(cfg.common.seed)
-    step, engine = (our_step_fn if args.side == "ours" else hf_step_fn)(cfg, args)
+    ds_config = build_deepspeed_config(cfg, args.world_size, fp16_supported=False)
+    step, engine = (our_step_fn if args.side == "ours" else hf_step_fn)(cfg, args, ds_config)
     turns = Turns(args.out, args.side, rank)
     dist_utils.barrier()
     turns.announce("ready")

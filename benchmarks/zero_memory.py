@@ -11,6 +11,8 @@ from typing import Dict
 
 import torch
 
+from metaseq_ds.private_apis import zero3_flat_partitions, zero3_gradient_buffer
+
 
 def model_state_bytes(engine) -> Dict[str, int]:
     """{"params", "grads", "master", "optimizer", "total"}: bytes of each kind this rank holds,
@@ -29,8 +31,8 @@ def model_state_bytes(engine) -> Dict[str, int]:
 
     counts = {
         "params": bytes_of(p.ds_tensor for p in engine.module.parameters()),
-        "grads": bytes_of([zero.grad_partitions_flat_buffer]),
-        "master": bytes_of(zero.fp32_partitioned_groups_flat),
+        "grads": bytes_of([zero3_gradient_buffer(zero)]),
+        "master": bytes_of(master for master, _ in zero3_flat_partitions(zero)),
         "optimizer": bytes_of(
             value for state in zero.optimizer.state.values() for value in state.values() if torch.is_tensor(value)
         ),

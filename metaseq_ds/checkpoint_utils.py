@@ -10,6 +10,7 @@ crash during a save leaves the previous checkpoint as the one that resumes.
 """
 
 import json
+import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ from typing import Any, Dict, Optional
 import torch
 
 from metaseq_ds.errors import UsageError
+
+logger = logging.getLogger(__name__)
 
 LAST = "checkpoint_last"
 META = "metaseq_ds.json"
@@ -151,7 +154,7 @@ def lazy_model_weights(ref: CheckpointRef) -> Dict[str, Any]:
         return parts[0]
     from metaseq_ds.distributed.tensor_parallel import merge_shards
 
-    return merge_shards(parts, meta["partition_dims"], concat=_LazyConcat)
+    return merge_shards(parts, meta["partition_dims"], concat=LazyConcat)
 
 
 def _tensor_parallel_part(ref: CheckpointRef, zero_stage: int, tp_rank: int) -> Dict[str, Any]:
@@ -161,22 +164,14 @@ def _tensor_parallel_part(ref: CheckpointRef, zero_stage: int, tp_rank: int) -> 
 
         states = safe_load(ref.path / f"mp_rank_{tp_rank:02d}_model_states.pt", map_location="cpu", mmap=True)
         return dict(states["module"])
-    # DeepSpeed's consolidation, given the files of one tensor-parallel rank: its public entry
-    # point takes the whole directory and refuses a save of several tensor-parallel ranks.
-    from deepspeed.utils import zero_to_fp32
+    from metaseq_ds.private_apis import consolidate_zero_shards
 
-    folder = str(ref.path)
-    model_states = zero_to_fp32.parse_model_states(
-        zero_to_fp32.get_checkpoint_files(folder, f"*mp_rank_{tp_rank:02d}_model_states.pt"))
-    stage, dp_size, flat_groups, paddings = zero_to_fp32.parse_optim_states(
-        zero_to_fp32.get_checkpoint_files(folder, f"*mp_rank_{tp_rank:02d}_optim_states.pt"), folder)
-    if stage <= 2:
-        return zero_to_fp32._get_fp32_state_dict_from_zero2_checkpoint(dp_size, flat_groups, model_states, False, paddings)
-    return zero_to_fp32._get_fp32_state_dict_from_zero3_checkpoint(dp_size, flat_groups, model_states, False)
+    return consolidate_zero_shards(str(ref.path), tp_rank)
 
 
-class _LazyConcat:
-    """A merged tensor-parallel tensor that reads its shards only when `.contiguous()` is called."""
+class LazyConcat:
+    """A merged tensor-parallel tensor that reads its shards only when `.contiguous()` is called
+    (`parts`, one per tensor-parallel rank, joined on `dim`)."""
 
     def __init__(self, parts, dim: int):
         self.parts, self.dim = parts, dim
@@ -188,28 +183,82 @@ class _LazyConcat:
         return torch.cat([part.contiguous() for part in self.parts], dim=self.dim)
 
 
+class CheckpointValues:
+    """A checkpoint's weights as parameter values for `distributed.materialize`, read tensor by
+    tensor (`weights` maps each name to a lazily read tensor: `lazy_model_weights`, or the lazy
+    safetensors of `convert.hf_import`), each rank taking only its part.
+
+    A tensor-parallel save read at its own degree gives each rank its saved part directly. Saved
+    vocabulary rows fewer than the model's (a larger tensor-parallel degree pads the vocabulary
+    to a multiple of 8*N) are kept, and the new padding rows take their initial values.
+    """
+
+    def __init__(self, weights: Dict[str, Any], source: str, initial):
+        self.weights, self.source, self.initial = weights, source, initial
+
+    def shard(self, name: str, full_shape, dim: Optional[int], rank: int, size: int) -> torch.Tensor:
+        from metaseq_ds.distributed.tensor_parallel import is_vocabulary_parameter
+
+        saved = self.weights.get(name)
+        if saved is None:
+            raise UsageError(f"{self.source}: weight {name!r} is missing (a checkpoint of another model?)")
+        full_shape, saved_shape = tuple(full_shape), tuple(saved.shape)
+        if saved_shape == full_shape:
+            if isinstance(saved, LazyConcat) and dim == saved.dim and len(saved.parts) == size:
+                return saved.parts[rank].contiguous().float()  # saved at this tensor-parallel degree
+            return _part(saved.contiguous().float(), dim, rank, size)
+        if is_vocabulary_parameter(name) and saved_shape[1:] == full_shape[1:] and saved_shape[0] < full_shape[0]:
+            grown = self.initial.whole(name, full_shape)
+            grown[: saved_shape[0]] = saved.contiguous().float()
+            logger.warning(f"{name}: {saved_shape[0]} saved vocabulary rows, {full_shape[0]} now; "
+                           f"the {full_shape[0] - saved_shape[0]} new padding rows keep their initial values")
+            return _part(grown, dim, rank, size)
+        raise UsageError(f"{self.source}: weight {name} has shape {saved_shape}, this model {full_shape}")
+
+    def check_all_used(self, parameter_names) -> None:
+        unused = sorted(set(self.weights) - set(parameter_names))
+        if unused:
+            raise UsageError(f"{self.source}: weight {unused[0]!r} has no place in this model")
+
+
+def _part(value: torch.Tensor, dim: Optional[int], rank: int, size: int) -> torch.Tensor:
+    return value if dim is None or size == 1 else value.chunk(size, dim=dim)[rank].contiguous()
+
+
 def load_model_for_inference(path: str, data: Optional[str] = None, need_data: bool = True):
     """(cfg, task, model in eval mode, ref) of the checkpoint at `path` (`--path` of validate and
-    generate), on the CPU with its full fp32 weights; `data` overrides the run's data directory.
+    generate), in fp32 on the accelerator (the CPU here); `data` overrides the run's data directory.
 
+    The model is built on the meta device and filled tensor by tensor from the checkpoint's
+    memory-mapped files (`distributed.materialize`), so no second copy of the weights is ever
+    held. Under a launcher whose ranks form a tensor-parallel group, each rank builds its shard
+    by the plan and reads only its part of each weight.
     With `need_data=False` (generation) the run's data directory need not exist any more.
     """
     from metaseq_ds import tasks
+    from metaseq_ds.distributed import utils as dist_utils
+    from metaseq_ds.distributed.materialize import build_model
+    from metaseq_ds.distributed.tensor_parallel import check_divisible
+    from metaseq_ds.models.initialization import InitialValues
     from metaseq_ds.options import config_from_dict
 
     ref = find_checkpoint(path)
     if ref is None:
         raise UsageError(f"--path: {path} is not a checkpoint (expected a save dir with checkpoint_last, or a checkpoint_* dir)")
-    cfg = config_from_dict(ref.meta()["config"])
-    if data is not None:
-        cfg.task.data = data
-    elif not need_data:
-        # The task only checks that its data directory exists (reading starts in load_dataset);
-        # the checkpoint's own directory stands in, so that neither a moved corpus nor the
-        # demo corpus (built when no data is set) gets in the way.
-        cfg.task.data = str(ref.path)
+    saved = ref.meta()["config"]
+    if data is None and need_data and not saved["task"].get("data", True):
+        raise UsageError(f"--path {path}: the checkpoint records no data directory (imported weights?): give --data DATA")
+    # Without data (generation) the task opens no data directory: a moved corpus is no obstacle.
+    overrides = {"task": {"data": data}} if data is not None or not need_data else {}
+    cfg = config_from_dict(saved, overrides)
+    tp_size = dist_utils.get_tensor_model_parallel_world_size()
+    check_divisible(cfg.model, tp_size, source="the number of ranks,")
     task = tasks.setup_task(cfg.task)
-    model = task.build_model(cfg.model)
-    model.load_state_dict(load_model_weights(ref))
+
+    def saved_values(model):
+        initial = InitialValues(model, model.init_seed) if model.init_seed is not None else None
+        return CheckpointValues(lazy_model_weights(ref), str(ref.path), initial)
+
+    model = build_model(cfg, task, None, saved_values, zero3_config=None)
     model.eval()
     return cfg, task, model, ref

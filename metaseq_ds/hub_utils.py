@@ -2,7 +2,9 @@
 
     generator = GeneratorInterface("checkpoints")  # a save dir, or a checkpoint_<epoch>_<updates> dir
     generator.load_model()
-    [[result]] = generator.generate(["The model reads"], max_tokens=[32], temperature=0.7, top_p=0.9, seed=1)
+    options = GenerationOptions(max_tokens=32, temperature=0.7, top_p=0.9, seed=1)
+    [[result]] = generator.generate(["The model reads"], options=options)
+    # or metaseq's keywords: generator.generate(["The model reads"], max_tokens=[32], temperature=0.7, top_p=0.9)
     result["text"], result["tokens"], result["text_offset"], result["token_scores"],
     result["top_logprobs"], result["finish_reason"]
 
@@ -26,10 +28,12 @@ import os
 from typing import Callable, Dict, List, Optional, Sequence, Union
 
 from metaseq_ds.errors import UsageError
+from metaseq_ds.generation_options import GenerationOptions
 
 logger = logging.getLogger("metaseq_ds.hub_utils")
 
 Prompt = Union[str, Sequence[int]]
+LIMITS = ("min_tokens", "max_tokens")
 
 
 class GeneratorInterface:
@@ -51,12 +55,8 @@ class GeneratorInterface:
                 from metaseq_ds.distributed import utils as dist_utils
 
                 dist_utils.init_distributed(tensor_parallel_size=ranks)
+            # Under a launcher each rank builds its tensor-parallel shard and reads only its part.
             cfg, self.task, self.model, ref = checkpoint_utils.load_model_for_inference(self.path, need_data=False)
-            if ranks > 1:
-                from metaseq_ds.distributed.tensor_parallel import apply_tensor_parallel, check_divisible
-
-                check_divisible(cfg.model, ranks, source="the number of ranks,")
-                apply_tensor_parallel(self.model, gather_logits=True)
             # Loaded here for generation only: inference mode and the decoding weight layout.
             self.model.make_generation_fast_()
             logger.info("loaded %s", ref.path)
@@ -99,68 +99,72 @@ class GeneratorInterface:
         inputs: Sequence[Prompt],
         min_tokens: Union[int, Sequence[int], None] = None,
         max_tokens: Union[int, Sequence[int], None] = None,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        n: int = 1,
+        temperature: Optional[float] = None,
+        top_p: Optional[float] = None,
+        top_k: Optional[int] = None,
+        n: Optional[int] = None,
         best_of: Optional[int] = None,
-        logprobs: int = 0,
-        echo: bool = False,
-        stop: Optional[Sequence[Union[str, int]]] = None,
+        logprobs: Optional[int] = None,
+        echo: Optional[bool] = None,
+        stop: Union[str, Sequence[Union[str, int, Sequence[int]]], None] = None,
         seed: Optional[int] = None,
-        length_penalty: float = 1.0,
+        length_penalty: Optional[float] = None,
         stream: Optional[Callable[[int, int], None]] = None,
+        *,
+        options: Optional[GenerationOptions] = None,
     ) -> List[List[Dict]]:
-        """For each prompt, `n` result dicts (best first). `min_tokens`/`max_tokens`: one value or
-        one per prompt (default 0 / 32). `stop`: strings (may span several tokens) or token ids.
-        `stream(prompt_index, token_id)` sees sampled/greedy tokens as they are chosen."""
+        """For each prompt, `n` result dicts (best first), decoded as `options` say.
+
+        Instead of `options`, metaseq's keywords: the `GenerationOptions` fields, None for the
+        field's default; `min_tokens`/`max_tokens` may also be one value per prompt. `stop`:
+        strings (may span several tokens) or token ids. `stream(prompt_index, token_id)` sees
+        sampled/greedy tokens as they are chosen."""
         from metaseq_ds.sequence_generator import SequenceGenerator
+
+        keywords = dict(min_tokens=min_tokens, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                        top_k=top_k, n=n, best_of=best_of, logprobs=logprobs, echo=echo, stop=stop, seed=seed,
+                        length_penalty=length_penalty)
+        given = {k: v for k, v in keywords.items() if v is not None}
+        if options is not None and given:
+            raise TypeError(f"give generate() options= or the sampling keywords, not both: {sorted(given)}")
+        if options is None:
+            # metaseq's API also takes one limit per prompt: such lists are checked prompt by prompt below.
+            per_prompt = any(not isinstance(given.get(k, 0), int) for k in LIMITS)
+            options = GenerationOptions.from_values({k: v for k, v in given.items() if not (per_prompt and k in LIMITS)})
 
         self.load_model()
         if _launched_ranks() > 1:
-            seed = _rank0_value(seed if seed is not None else int.from_bytes(os.urandom(4), "little"))
-        best_of = n if best_of is None else best_of
-        if n < 1 or best_of < n:
-            raise UsageError(f"need 1 <= n <= best_of, got n={n}, best_of={best_of}")
-        if logprobs < 0:
-            raise UsageError(f"logprobs must be >= 0, got {logprobs}")
+            seed = options.seed if options.seed is not None else int.from_bytes(os.urandom(4), "little")
+            options = options.replace(seed=_rank0_value(seed))
         if not inputs:
             raise UsageError("no prompts given")
         prompts = [self.encode(p, i) for i, p in enumerate(inputs)]
-        mins = _per_prompt(min_tokens, 0, len(prompts), "min_tokens")
-        maxs = _per_prompt(max_tokens, 32, len(prompts), "max_tokens")
-        stop = list(stop or [])
-        stop_strings = [s for s in stop if isinstance(s, str)]
-        stop_ids = [s for s in stop if not isinstance(s, str)]
-        beam = best_of if temperature == 0 else 1
-        copies = 1 if temperature == 0 else best_of
-
+        mins = _per_prompt(min_tokens, options.min_tokens, len(prompts), "min_tokens")
+        maxs = _per_prompt(max_tokens, options.max_tokens, len(prompts), "max_tokens")
         results: List[List[Dict]] = [[] for _ in prompts]
         # One generator per distinct (min, max): metaseq's API allows them per prompt.
         for limits in sorted(set(zip(mins, maxs))):
             indices = [i for i in range(len(prompts)) if (mins[i], maxs[i]) == limits]
-            generator = SequenceGenerator(
-                [self.model], self.dictionary, beam_size=beam, max_new_tokens=limits[1], min_new_tokens=limits[0],
-                temperature=temperature, topp=top_p, topk=top_k, length_penalty=length_penalty, stop=stop_ids,
-                stop_strings=stop_strings, decode=self.tokenizer.decode, need_logprobs=logprobs > 0,
-                logprobs_topk=logprobs, echo=echo, seed=seed,
-            )
-            batch = [prompts[i] for i in indices for _ in range(copies)]
-            def row_stream(row, token, indices=indices):
-                stream(indices[row // copies], token)
+            generator = SequenceGenerator([self.model], self.dictionary,
+                                          options.replace(min_tokens=limits[0], max_tokens=limits[1]),
+                                          decode=self.tokenizer.decode)
 
-            hypos = generator.generate([self.model], batch, stream=row_stream if stream is not None else None)
-            for k, i in enumerate(indices):
-                candidates = [h for row in hypos[k * copies:(k + 1) * copies] for h in row]
-                candidates.sort(key=lambda h: -h["score"])
-                results[i] = [self._result(h, stop_strings, stop_ids, echo, logprobs) for h in candidates[:n]]
+            def prompt_stream(prompt, token, indices=indices):
+                stream(indices[prompt], token)
+
+            hypos = generator.generate([self.model], [prompts[i] for i in indices],
+                                       stream=prompt_stream if stream is not None else None)
+            for i, prompt_hypos in zip(indices, hypos):
+                results[i] = [self._result(h, options) for h in prompt_hypos]
         return results
 
-    def _result(self, hypo: Dict, stop_strings: List[str], stop_ids: List, echo: bool, logprobs: int) -> Dict:
+    def _result(self, hypo: Dict, options: GenerationOptions) -> Dict:
         """metaseq's result dict for one hypothesis: special tokens dropped, the stop text cut."""
+        stop_strings = [s for s in options.stop if isinstance(s, str)]
+        stop_ids = [s for s in options.stop if not isinstance(s, str)]
         tokens = hypo["tokens"].tolist()
         scores = hypo["positional_scores"].tolist()
-        tops = _top_lists(hypo, "top") if logprobs else None
+        tops = _top_lists(hypo, "top") if options.logprobs else None
         reason = hypo["finish_reason"]
         if reason == "stop":
             for sequence in ([s] if isinstance(s, int) else list(s) for s in stop_ids):
@@ -169,14 +173,14 @@ class GeneratorInterface:
                     if tops is not None:
                         del tops[-len(sequence):]
                     break
-        if echo:
+        if options.echo:
             tokens = hypo["prompt_tokens"].tolist() + tokens
             scores = [None] + hypo["prompt_scores"].tolist()[1:] + scores
             if tops is not None:
                 tops = [None] + _top_lists(hypo, "prompt_top") + tops
         specials = self.special_ids()
         keep = [i for i, t in enumerate(tokens) if t not in specials]
-        prompt_kept = sum(1 for t in hypo["prompt_tokens"].tolist() if t not in specials) if echo else 0
+        prompt_kept = sum(1 for t in hypo["prompt_tokens"].tolist() if t not in specials) if options.echo else 0
         tokens = [tokens[i] for i in keep]
         scores = [scores[i] for i in keep]
         tops = [tops[i] for i in keep] if tops is not None else None

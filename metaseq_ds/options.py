@@ -1,4 +1,4 @@
-"""From command line and config file to a validated `MetaseqConfig`.
+"""From command line and config file to a validated, read-only `MetaseqConfig`.
 
 Precedence: command line > `--config FILE` > the architecture's defaults > field defaults.
 Flags are derived from the dataclass fields of the fixed sections and of the chosen
@@ -6,22 +6,25 @@ components (`--task`, `--arch`, `--criterion`, `--optimizer`, `--lr-scheduler`),
 configs get flags for free. A component field named like a fixed-section field (`lr`,
 `max_update`, `batch_size`, `seed`) receives that same value: metaseq expressed this with
 `II("optimization.lr")` interpolation; here it is one rule in `_section_values`.
+
+Every value is settled during validation (`build_config`: the demo run, values derived from
+other sections) or by one explicit step for what the flags cannot know (`resolve`: facts of
+the checkpoint a run resumes from). After that the config is read-only: assigning one of
+metaseq_ds's own config fields raises. (Plugin configs stay assignable: fairseq-style plugin
+code often sets fields of its own config while building.)
 """
 
 import argparse
 import ast
 import dataclasses
-import importlib.util
 import json
 import math
-import os
-import sys
 import typing
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
-from metaseq_ds.dataclass import COMPONENT_SECTIONS, FIXED_SECTIONS, MetaseqConfig, validate_config
+from metaseq_ds.dataclass import COMPONENT_SECTIONS, FIXED_SECTIONS, MetaseqConfig, make_read_only, validate_config
 from metaseq_ds.errors import UsageError
 from metaseq_ds.registry import Registry, closest
 
@@ -33,7 +36,9 @@ DEFAULT_COMPONENTS = {
     "lr_scheduler": "inverse_sqrt",
 }
 
-# `mseq train` with no data trains this on the embedded demo corpus; explicit values still win.
+# `mseq train` with no data (or --demo) trains on the embedded demo corpus, written here, with
+# these defaults; explicit values still win.
+DEMO_DATA_DIR = "data/demo_corpus"
 DEMO_DEFAULTS = {  # ~2 minutes on 2 CPU cores
     "max_update": 600,
     "lr": 1e-3,
@@ -66,14 +71,25 @@ METASEQ_ONLY_FLAGS = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class RunContext:
+    """What the flags alone cannot say, for `resolve`: facts of the checkpoint the run resumes from."""
+
+    # The saved run's vocabulary padding factor: a run resumed at another tensor-parallel degree
+    # keeps the saved padded vocabulary (its padding rows are trained already).
+    restored_padding_factor: Optional[int] = None
+
+
 def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
 def component_registries() -> Dict[str, Registry]:
     """The registries, imported here because they pull in torch (not on the `--help` path)."""
-    from metaseq_ds import criterions, models, optim, tasks
+    from metaseq_ds import criterions, model_parallel, models, optim, tasks
     from metaseq_ds.optim import lr_scheduler
+
+    del model_parallel  # imported for what it registers: metaseq's tensor-parallel model and criterion
 
     return {
         "task": tasks.TASK_REGISTRY,
@@ -103,10 +119,9 @@ class TrainArgumentParser:
         self.file_values = load_config_file(Path(known.config)) if known.config else {}
         user_dir = known.user_dir or self.file_values.get("user_dir")
         if user_dir:
-            if os.environ.get("METASEQ_DS_COMPAT"):  # plugins that `import fairseq`, under any launcher
-                import compat
+            from metaseq_ds.user_code import import_user_module, install_compat_if_asked
 
-                compat.install_from_env()
+            install_compat_if_asked()  # plugins that `import fairseq`, under any launcher
             import_user_module(user_dir)
         self.registries = component_registries()
         from metaseq_ds import models
@@ -116,20 +131,8 @@ class TrainArgumentParser:
             name: getattr(known, name) or self.file_values.get(name) or default
             for name, default in DEFAULT_COMPONENTS.items()
         }
-        arch = self.choice["arch"]
-        if arch not in models.ARCH_MODEL_REGISTRY:
-            raise UsageError(
-                f"--arch: unknown architecture {arch!r}{closest(arch, models.ARCH_MODEL_REGISTRY)} "
-                f"(choose from {', '.join(sorted(models.ARCH_MODEL_REGISTRY))})"
-            )
-        self.model_name = models.ARCH_MODEL_REGISTRY[arch]
-        self.section_classes = {name: MetaseqConfig.__dataclass_fields__[name].default_factory for name in FIXED_SECTIONS}
-        for section in COMPONENT_SECTIONS:
-            key = self.model_name if section == "model" else self.choice[section]
-            entry = self.registries[section].get(key)
-            if entry.dataclass is None:
-                raise UsageError(f"{self.registries[section].flag} {key!r} has no config dataclass")
-            self.section_classes[section] = entry.dataclass
+        self.arch_given = known.arch is not None or "arch" in self.file_values
+        self.section_classes = section_classes(self.choice)
         self.parser, self.owner = self._build_parser()
 
     def _build_parser(self) -> Tuple[argparse.ArgumentParser, Dict[str, str]]:
@@ -170,26 +173,98 @@ class TrainArgumentParser:
         if unknown:
             key = sorted(unknown)[0]
             raise UsageError(f"{self.config_file}: unknown key {key!r}{closest(key, self.owner)}")
-        explicit = {**self.file_values, **cli_values}
-        if explicit.get("data") is None:
-            arch_given = "arch" in self.file_values or any(a in ("-a", "--arch") or a.startswith("--arch=") for a in self.argv)
-            explicit = {**DEMO_DEFAULTS, **({} if arch_given else DEMO_MODEL_DEFAULTS), **explicit}
+        explicit = self._with_demo({**self.file_values, **cli_values})
         for name, reason in METASEQ_ONLY_FLAGS.items():
+            if name == "distributed_world_size" and explicit.get("dry_run"):
+                continue  # --dry-run plans for that many ranks
             if explicit.get(name):
                 warnings.warn(reason, stacklevel=2)
-        explicit.update(self.models.arch_defaults(self.choice["arch"], explicit))
-        return _build_config(self.section_classes, explicit, arch=self.choice["arch"])
+        return build_config(self.section_classes, explicit, arch=self.choice["arch"])
+
+    def _with_demo(self, explicit: Dict[str, Any]) -> Dict[str, Any]:
+        """The demo run, decided here once: no DATA (or --demo) means DEMO_DEFAULTS, recorded as
+        `dataset.demo` (`resolve` then points the task at the corpus, which `mseq train` builds)."""
+        task_has_data = "data" in self.section_classes["task"].__dataclass_fields__
+        if explicit.get("demo") and explicit.get("data") is not None:
+            raise UsageError(f"--demo trains on the embedded demo corpus: give DATA ({explicit['data']}) or --demo, not both")
+        if not task_has_data or (explicit.get("data") is not None and not explicit.get("demo")):
+            return explicit
+        model_defaults = {} if self.arch_given else DEMO_MODEL_DEFAULTS
+        return {**DEMO_DEFAULTS, **model_defaults, **explicit, "demo": True}
 
     def format_help(self) -> str:
         return self.parser.format_help()
 
 
-def _build_config(section_classes: Dict[str, type], explicit: Dict[str, Any], arch: Optional[str]) -> MetaseqConfig:
+def section_classes(choice: Mapping[str, str]) -> Dict[str, type]:
+    """The config class of every section, for chosen components ({"task": ..., "arch": ..., ...})."""
+    from metaseq_ds import models
+
+    registries = component_registries()
+    arch = choice["arch"]
+    if arch not in models.ARCH_MODEL_REGISTRY:
+        raise UsageError(
+            f"--arch: unknown architecture {arch!r}{closest(arch, models.ARCH_MODEL_REGISTRY)} "
+            f"(choose from {', '.join(sorted(models.ARCH_MODEL_REGISTRY))})"
+        )
+    classes = {name: MetaseqConfig.__dataclass_fields__[name].default_factory for name in FIXED_SECTIONS}
+    for section in COMPONENT_SECTIONS:
+        key = models.ARCH_MODEL_REGISTRY[arch] if section == "model" else choice[section]
+        entry = registries[section].get(key)
+        if entry.dataclass is None:
+            raise UsageError(f"{registries[section].flag} {key!r} has no config dataclass")
+        classes[section] = entry.dataclass
+    return classes
+
+
+def build_config(classes: Dict[str, type], explicit: Dict[str, Any], arch: str) -> MetaseqConfig:
+    """The validated, read-only config: `explicit` values (flag names as keys, the command line's
+    strings or typed values), the arch's defaults around them, then values derived from others."""
+    from metaseq_ds import models
+
+    explicit = {**explicit, **models.arch_defaults(arch, explicit)}
     sections: Dict[str, Any] = {}
     for name in FIXED_SECTIONS + COMPONENT_SECTIONS:
-        cls = section_classes[name]
+        cls = classes[name]
         sections[name] = validate_config(cls, _section_values(cls, explicit, sections), flag_of=flag)
-    return derive(MetaseqConfig(**sections, arch=arch))
+    return _read_only(derive(MetaseqConfig(**sections, arch=arch)))
+
+
+def config_from_values(values: Mapping[str, Any], arch: str = "transformer_lm") -> MetaseqConfig:
+    """The config the flags `values` ({"decoder_layers": 2, ...}) give with the default components
+    and no demo run (what `mseq import` records for the model it writes)."""
+    return build_config(section_classes({**DEFAULT_COMPONENTS, "arch": arch}), dict(values), arch)
+
+
+def resolve(cfg: MetaseqConfig, context: RunContext) -> MetaseqConfig:
+    """A new read-only config for the run itself: the demo's data directory (DEMO_DATA_DIR), and
+    what only the run's context can settle (see `RunContext`)."""
+    task = cfg.task
+    changes: Dict[str, Any] = {}
+    if cfg.dataset.demo:
+        changes["data"] = DEMO_DATA_DIR
+    factor = context.restored_padding_factor
+    if (factor is not None and "padding_factor" in task.__dataclass_fields__
+            and task.final_vocab_size is None and factor % task.padding_factor == 0):
+        changes["padding_factor"] = factor
+    if not changes:
+        return cfg
+    return _read_only(dataclasses.replace(cfg, task=dataclasses.replace(task, **changes)))
+
+
+def _read_only(cfg: MetaseqConfig) -> MetaseqConfig:
+    """Make the config and every section of metaseq_ds's own components read-only (plugin
+    configs are left assignable: fairseq-style code sets fields of its own config)."""
+    registries = component_registries()
+    for name in FIXED_SECTIONS + COMPONENT_SECTIONS:
+        section = getattr(cfg, name)
+        if name in COMPONENT_SECTIONS:
+            entry = registries[name].get(section._name)
+            if not entry.cls.__module__.startswith("metaseq_ds."):
+                continue
+        make_read_only(section)
+    make_read_only(cfg)
+    return cfg
 
 
 def _section_values(cls: type, explicit: Dict[str, Any], resolved: Dict[str, Any]) -> Dict[str, Any]:
@@ -253,25 +328,28 @@ def _add_field_argument(group, f: dataclasses.Field, cls: type) -> None:
 
 
 def derive(cfg: MetaseqConfig) -> MetaseqConfig:
-    """Values computed from other sections, and metaseq's flags mapped to DeepSpeed meanings."""
+    """A new config with the values computed from other sections, and metaseq's flags mapped to
+    DeepSpeed meanings (part of validation: `build_config` calls it before the config is read-only)."""
     model, task, common, dist = cfg.model, cfg.task, cfg.common, cfg.distributed_training
+    changes: Dict[str, Dict[str, Any]] = {name: {} for name in FIXED_SECTIONS + COMPONENT_SECTIONS}
     if "max_target_positions" in model.__dataclass_fields__ and model.max_target_positions is None:
-        model.max_target_positions = task.tokens_per_sample
+        changes["model"]["max_target_positions"] = task.tokens_per_sample
     if "total_num_update" in cfg.lr_scheduler.__dataclass_fields__ and cfg.lr_scheduler.total_num_update is None:
-        cfg.lr_scheduler.total_num_update = cfg.optimization.max_update
-    common.fp16 = common.fp16 or common.memory_efficient_fp16
-    common.bf16 = common.bf16 or common.memory_efficient_bf16
-    if common.fp16 and common.bf16:
+        changes["lr_scheduler"]["total_num_update"] = cfg.optimization.max_update
+    fp16, bf16 = common.fp16 or common.memory_efficient_fp16, common.bf16 or common.memory_efficient_bf16
+    if fp16 and bf16:
         raise UsageError("--fp16 and --bf16 exclude each other: choose one")
+    changes["common"].update(fp16=fp16, bf16=bf16)
     if dist.ddp_backend == "fully_sharded" and dist.zero_stage is None:
-        dist.zero_stage = 3
-    if dist.zero_stage is not None and dist.zero_stage not in (0, 1, 2, 3):
+        changes["distributed_training"]["zero_stage"] = 3
+    elif dist.zero_stage is not None and dist.zero_stage not in (0, 1, 2, 3):
         raise UsageError(f"invalid value {dist.zero_stage} for --zero-stage: choose 0, 1, 2 or 3")
-    _derive_tensor_parallel(cfg)
-    return cfg
+    _derive_tensor_parallel(cfg, changes)
+    return dataclasses.replace(cfg, **{
+        name: dataclasses.replace(getattr(cfg, name), **values) for name, values in changes.items() if values})
 
 
-def _derive_tensor_parallel(cfg: MetaseqConfig) -> None:
+def _derive_tensor_parallel(cfg: MetaseqConfig, changes: Dict[str, Dict[str, Any]]) -> None:
     """One tensor-parallel degree from metaseq's and DeepSpeed's flag; checks that need no ranks."""
     from metaseq_ds.distributed.tensor_parallel import check_divisible
 
@@ -283,31 +361,34 @@ def _derive_tensor_parallel(cfg: MetaseqConfig) -> None:
     size = max(sizes, default=1)
     if size < 1 or min(dist.model_parallel_size, dist.tensor_parallel_size) < 1:
         raise UsageError("--model-parallel-size must be at least 1")
-    dist.model_parallel_size = dist.tensor_parallel_size = size
+    changes["distributed_training"].update(model_parallel_size=size, tensor_parallel_size=size)
     if size == 1:
         return
     check_divisible(cfg.model, size)
     task = cfg.task
     if "padding_factor" in task.__dataclass_fields__:
-        task.padding_factor = math.lcm(task.padding_factor, 8 * size)  # metaseq: vocab a multiple of 8*N
+        # metaseq's rule: the vocabulary is a multiple of 8*N
+        changes["task"]["padding_factor"] = math.lcm(task.padding_factor, 8 * size)
         if task.final_vocab_size is not None and task.final_vocab_size % size != 0:
             raise UsageError(f"--final-vocab-size {task.final_vocab_size} is not divisible by "
                              f"--model-parallel-size {size} (the vocabulary is split across ranks)")
 
 
-def config_from_dict(values: Dict[str, Any]) -> MetaseqConfig:
-    """Rebuild a config saved by `MetaseqConfig.to_dict` (checkpoints store it)."""
+def config_from_dict(values: Dict[str, Any], overrides: Optional[Mapping[str, Mapping[str, Any]]] = None) -> MetaseqConfig:
+    """Rebuild a config saved by `MetaseqConfig.to_dict` (checkpoints store it), read-only;
+    `overrides` ({section: {field: value}}) replace saved values before validation."""
     registries = component_registries()
-    section_classes: Dict[str, type] = {
+    classes: Dict[str, type] = {
         name: MetaseqConfig.__dataclass_fields__[name].default_factory for name in FIXED_SECTIONS
     }
     for section in COMPONENT_SECTIONS:
-        section_classes[section] = registries[section].get(values[section]["_name"]).dataclass
+        classes[section] = registries[section].get(values[section]["_name"]).dataclass
     sections = {}
-    for name, cls in section_classes.items():
+    for name, cls in classes.items():
         saved = {k: v for k, v in values.get(name, {}).items() if k != "_name"}
+        saved.update((overrides or {}).get(name, {}))
         sections[name] = validate_config(cls, saved, flag_of=flag)
-    return MetaseqConfig(**sections, arch=values.get("arch"))
+    return _read_only(MetaseqConfig(**sections, arch=values.get("arch")))
 
 
 def load_config_file(path: Path) -> Dict[str, Any]:
@@ -340,20 +421,3 @@ def _yaml_load(text: str) -> Any:
         return yaml.safe_load(text)
     except yaml.YAMLError as error:
         raise ValueError(str(error)) from None
-
-
-def import_user_module(user_dir: str) -> None:
-    """Import a plugin package by path, explicitly (no sys.path edits, no scanning)."""
-    path = Path(user_dir).resolve()
-    init = path / "__init__.py" if path.is_dir() else path
-    if not init.is_file():
-        raise UsageError(f"--user-dir: {user_dir} is neither a package directory nor a .py file")
-    name = path.stem
-    if name in sys.modules:
-        return
-    spec = importlib.util.spec_from_file_location(
-        name, init, submodule_search_locations=[str(path)] if path.is_dir() else None
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)

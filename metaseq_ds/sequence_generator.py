@@ -1,7 +1,9 @@
 """`SequenceGenerator`: greedy decoding, sampling (temperature, top-k, top-p) and beam search
 over any decoder that follows the incremental decoding API of `metaseq_ds.models.base`.
 
-    generator = SequenceGenerator([model], task.dictionary, max_new_tokens=32, temperature=0.7, topp=0.9, seed=1)
+    options = GenerationOptions(max_tokens=32, temperature=0.7, top_p=0.9, seed=1)
+    generator = SequenceGenerator([model], task.dictionary, options)
+    # or metaseq's keywords: SequenceGenerator([model], task.dictionary, max_new_tokens=32, temperature=0.7, topp=0.9)
     hypos = generator.generate([model], [[2, 713, 16], [2, 9]])  # prompts: token ids, any lengths
     hypos[i][0]["tokens"], hypos[i][0]["positional_scores"], hypos[i][0]["finish_reason"]
 
@@ -14,14 +16,14 @@ Each hypothesis is a dict:
 - `tokens`: the new token ids (LongTensor), ending with eos or the stop tokens when those ended it;
 - `positional_scores`: the model's log-probability of each new token (log-softmax of its
   logits, before temperature, top-k or top-p);
-- `score`: sum(positional_scores) / len ** length_penalty (beam search ranks by it);
+- `score`: sum(positional_scores) / len ** length_penalty (the `n` returned are the best by it);
 - `finish_reason`: "eos" (the model emitted </s>), "stop" (a stop token sequence or stop
-  string completed), "length" (max_new_tokens, or the model's max positions, was reached);
-- with `need_logprobs`: `top_logprobs` / `top_tokens`, (len, k) the k most likely tokens at each step;
-- with `echo`: `prompt_scores` (the first prompt token has none: NaN) and, with `need_logprobs`,
+  string completed), "length" (max_tokens, or the model's max positions, was reached);
+- with `logprobs` k > 0: `top_logprobs` / `top_tokens`, (len, k) the k most likely tokens at each step;
+- with `echo`: `prompt_scores` (the first prompt token has none: NaN) and, with `logprobs`,
   `prompt_top_logprobs` / `prompt_top_tokens`.
 
-Beam search (`beam_size` > 1, temperature 0) is Hugging Face's: 2 * beam_size candidates per
+Beam search (`best_of` > 1, temperature 0) is Hugging Face's: 2 * beams candidates per
 step, finished beams scored with the length penalty over the generated length, the same
 early-stopping heuristic, so both give the same tokens. Stop strings do not steer beam
 search: `GeneratorInterface` cuts the finished beams' text at them afterwards.
@@ -34,6 +36,7 @@ import torch
 from torch import nn
 
 from metaseq_ds.errors import UsageError
+from metaseq_ds.generation_options import GenerationOptions, StopItem
 
 EOS, STOP, LENGTH = "eos", "stop", "length"
 NEG_INF = float("-inf")
@@ -80,16 +83,11 @@ class StopCriteria:
     check costs the same at step 10 and at step 1000.
     """
 
-    def __init__(self, stop: Sequence[Union[int, Sequence[int]]], stop_strings: Sequence[str],
-                 decode: Optional[Callable[[List[int]], str]]):
-        self.sequences = [[s] if isinstance(s, int) else list(s) for s in stop]
-        if any(not s for s in self.sequences):
-            raise UsageError("stop: an empty stop token sequence would stop at once")
-        if stop_strings and decode is None:
+    def __init__(self, stop: Sequence[StopItem], decode: Optional[Callable[[List[int]], str]]):
+        self.strings = [s for s in stop if isinstance(s, str)]
+        self.sequences = [[s] if isinstance(s, int) else list(s) for s in stop if not isinstance(s, str)]
+        if self.strings and decode is None:
             raise ValueError("stop strings need a decode function (token ids -> text)")
-        if any(not s for s in stop_strings):
-            raise UsageError("stop: an empty stop string would stop at once")
-        self.strings = list(stop_strings)
         self.decode = decode
         self.window = max((len(s.encode("utf-8")) for s in self.strings), default=0) + 1
         self.single_tokens = sorted({s[0] for s in self.sequences if len(s) == 1})
@@ -107,68 +105,72 @@ class StopCriteria:
         return False
 
 
+# metaseq's keyword names for the GenerationOptions fields, so that errors name what was passed.
+METASEQ_KEYWORDS = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "top_p": "topp", "top_k": "topk",
+                    "n": "beam_size", "best_of": "beam_size", "logprobs": "logprobs_topk"}
+
+
+def options_from_keywords(
+    beam_size: Optional[int] = None,
+    max_new_tokens: Optional[int] = None,
+    min_new_tokens: Optional[int] = None,
+    temperature: Optional[float] = None,
+    topp: Optional[float] = None,
+    topk: Optional[int] = None,
+    length_penalty: Optional[float] = None,
+    stop: Sequence[Union[int, Sequence[int]]] = (),
+    stop_strings: Sequence[str] = (),
+    need_logprobs: bool = False,
+    logprobs_topk: int = 1,
+    echo: Optional[bool] = None,
+    seed: Optional[int] = None,
+) -> GenerationOptions:
+    """`GenerationOptions` from metaseq's SequenceGenerator keywords (None: the option's default).
+
+    `beam_size` beams return `beam_size` hypotheses (n = best_of); `topp` -1 is metaseq's "off";
+    `need_logprobs` with `logprobs_topk` is `logprobs`.
+    """
+    given = {"n": beam_size, "best_of": beam_size, "max_tokens": max_new_tokens, "min_tokens": min_new_tokens,
+             "temperature": temperature, "top_p": None if topp == -1 else topp, "top_k": topk,
+             "length_penalty": length_penalty, "stop": (*stop, *stop_strings),
+             "logprobs": max(1, logprobs_topk) if need_logprobs else 0, "echo": echo, "seed": seed}
+    options = GenerationOptions.from_values({k: v for k, v in given.items() if v is not None},
+                                            name=lambda field: METASEQ_KEYWORDS.get(field, field))
+    if options.beams < options.best_of:  # beams at temperature > 0 would become best_of samples
+        raise UsageError("beam search is deterministic: use temperature 0 with a beam size > 1")
+    return options
+
+
 class SequenceGenerator(nn.Module):
     """Generates continuations of token prompts with one model (metaseq's class name and
     `generate(models, sample)` entry point; lengths count new tokens only).
 
-    temperature 0 decodes greedily (or by beam search when beam_size > 1); temperature > 0
-    samples from softmax(logits / temperature) restricted by `topk` (0: off) and `topp`
-    (1.0 or -1: off). `seed` makes sampling reproducible.
+    It decodes as one `GenerationOptions` says: temperature 0 greedily (or by beam search over
+    `best_of` beams); temperature > 0 by sampling `best_of` completions per prompt from
+    softmax(logits / temperature) restricted by `top_k` (0: off) and `top_p`; either way it
+    returns the best `n`. `seed` makes sampling reproducible. metaseq's keywords (`beam_size`,
+    `max_new_tokens`, `topp`, ...: see `options_from_keywords`) build the options instead;
+    `decode` (token ids -> text) is needed for stop strings.
     """
 
-    def __init__(
-        self,
-        models: Sequence[nn.Module],
-        tgt_dict,
-        beam_size: int = 1,
-        max_new_tokens: int = 200,
-        min_new_tokens: int = 0,
-        temperature: float = 1.0,
-        topp: float = -1.0,
-        topk: int = 0,
-        length_penalty: float = 1.0,
-        stop: Sequence[Union[int, Sequence[int]]] = (),
-        stop_strings: Sequence[str] = (),
-        decode: Optional[Callable[[List[int]], str]] = None,
-        need_logprobs: bool = False,
-        logprobs_topk: int = 1,
-        echo: bool = False,
-        seed: Optional[int] = None,
-    ):
+    def __init__(self, models: Sequence[nn.Module], tgt_dict, options: Optional[GenerationOptions] = None, *,
+                 decode: Optional[Callable[[List[int]], str]] = None, **metaseq_keywords):
         super().__init__()
+        if options is None:
+            options = options_from_keywords(**metaseq_keywords)
+        elif metaseq_keywords:
+            raise TypeError(f"give SequenceGenerator options= or metaseq's keywords, not both: {sorted(metaseq_keywords)}")
         if len(models) != 1:
             raise UsageError(f"SequenceGenerator takes one model; got {len(models)} (ensembles are not supported)")
-        if temperature < 0:
-            raise UsageError(f"temperature must be >= 0 (0 is greedy), got {temperature}")
-        if topp != -1.0 and not 0.0 < topp <= 1.0:
-            raise UsageError(f"top_p must be in (0, 1], got {topp}")
-        if topk < 0:
-            raise UsageError(f"top_k must be >= 0 (0 is off), got {topk}")
-        if beam_size < 1:
-            raise UsageError(f"beam size must be >= 1, got {beam_size}")
-        if beam_size > 1 and temperature > 0:
-            raise UsageError("beam search is deterministic: use temperature 0 with a beam size > 1")
-        if max_new_tokens < 1 or min_new_tokens < 0 or min_new_tokens > max_new_tokens:
-            raise UsageError(f"need 0 <= min tokens <= max tokens and max tokens >= 1, got {min_new_tokens} and {max_new_tokens}")
+        self.options = options
         self.model = models[0]
         self.decoder = self.model.decoder if hasattr(self.model, "decoder") else self.model
         self.pad, self.eos = tgt_dict.pad(), tgt_dict.eos()
-        self.beam_size = beam_size
-        self.max_new_tokens = max_new_tokens
-        self.min_new_tokens = min_new_tokens
-        self.temperature = temperature
-        self.topp = 1.0 if topp == -1.0 else topp
-        self.topk = topk
-        self.length_penalty = length_penalty
-        self.stop = StopCriteria(stop, stop_strings, decode)
-        self.need_logprobs = need_logprobs
-        self.logprobs_topk = max(1, logprobs_topk)
-        self.echo = echo
-        self.seed = seed
+        self.stop = StopCriteria(options.stop, decode)
 
     @torch.no_grad()
     def generate(self, models, sample, stream: Optional[StreamCallback] = None) -> List[List[Hypothesis]]:
-        """Hypotheses per prompt (best first: beam_size of them, else one).
+        """Hypotheses per prompt: the best `n` (of `best_of` beams or samples), best first.
 
         `sample`: a list of token-id prompts, or metaseq's `{"net_input": {"src_tokens": (B, T)}}`
         (pads anywhere are dropped). `stream(prompt_index, token_id)` is called for each new
@@ -183,24 +185,30 @@ class SequenceGenerator(nn.Module):
             raise UsageError("every prompt needs at least one token")
         self.model.eval()
         device = next(self.model.parameters()).device
-        tokens = left_pad(prompts, self.pad).to(device)
+        copies = self.options.samples
+        rows = [prompt for prompt in prompts for _ in range(copies)]  # each prompt once per sample
+        tokens = left_pad(rows, self.pad).to(device)
         room = self.decoder.max_positions() - tokens.size(1)
         if room < 1:
             raise UsageError(f"a prompt of {tokens.size(1)} tokens leaves no room in the model's {self.decoder.max_positions()} positions")
-        max_new = min(self.max_new_tokens, room)
+        max_new = min(self.options.max_tokens, room)
         state: Dict = {}
         features, extra = self.decoder.extract_features(tokens, incremental_state=state)
-        prompt_info = self._score_prompts(features, extra, tokens, prompts) if self.echo else None
+        prompt_info = self._score_prompts(features, extra, tokens, rows) if self.options.echo else None
         logits = self._next_log_probs(features, extra)
-        if self.beam_size > 1:
-            hypos = self._beam_search(tokens, state, logits, max_new)
+        if self.options.beams > 1:
+            hypos = self._beam_search(tokens, state, logits, max_new)  # the finished beams of each row
         else:
-            hypos = self._sample(tokens, state, logits, max_new, device, stream)
+            hypos = self._sample(tokens, state, logits, max_new, device, stream)  # one per row
         if prompt_info is not None:
             for row_hypos, info in zip(hypos, prompt_info):
                 for hypo in row_hypos:
                     hypo.update(info)
-        return hypos
+        return [self._best(hypos[i * copies:(i + 1) * copies]) for i in range(len(prompts))]
+
+    def _best(self, rows_hypos: List[List[Hypothesis]]) -> List[Hypothesis]:
+        candidates = sorted((h for row_hypos in rows_hypos for h in row_hypos), key=lambda h: -h["score"])
+        return candidates[:self.options.n]
 
     forward = generate
 
@@ -218,53 +226,55 @@ class SequenceGenerator(nn.Module):
     def _ban(self, lprobs: torch.Tensor, step: int) -> torch.Tensor:
         """No pad ever (it would be read as padding); no eos or stop token before min_new_tokens."""
         banned = [self.pad]
-        if step < self.min_new_tokens:
+        if step < self.options.min_tokens:
             banned += [self.eos, *self.stop.single_tokens]
         return lprobs.index_fill(1, torch.tensor(banned, device=lprobs.device), NEG_INF)
 
     def _finish_reason(self, new_tokens: List[int], step: int, max_new: int) -> Optional[str]:
         if new_tokens[-1] == self.eos:
             return EOS
-        if step >= self.min_new_tokens and self.stop and self.stop.hit(new_tokens):
+        if step >= self.options.min_tokens and self.stop and self.stop.hit(new_tokens):
             return STOP
         if step + 1 >= max_new:
             return LENGTH
         return None
 
     def _top(self, lprobs: torch.Tensor):
-        return lprobs.topk(self.logprobs_topk, dim=-1)
+        return lprobs.topk(self.options.logprobs, dim=-1)
 
     # -- greedy and sampling ------------------------------------------------------------------
 
     def _sample(self, tokens, state, lprobs, max_new, device, stream) -> List[List[Hypothesis]]:
         batch = tokens.size(0)
-        rows = list(range(batch))  # the prompt index of each row still in the batch
+        rows = list(range(batch))  # the batch index of each row still decoding
         new_tokens: List[List[int]] = [[] for _ in range(batch)]
         scores: List[List[float]] = [[] for _ in range(batch)]
         tops: List[list] = [[] for _ in range(batch)]
         reasons: List[Optional[str]] = [None] * batch
         rng = torch.Generator(device=device)
         # No seed: draw one from torch's global generator, so torch.manual_seed still decides.
-        rng.manual_seed(self.seed if self.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        seed = self.options.seed
+        rng.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
         for step in range(max_new):
             allowed = self._ban(lprobs, step)
-            if self.temperature == 0:
+            if self.options.temperature == 0:
                 chosen = allowed.argmax(dim=-1)  # (A,)
             else:
                 # log-probs differ from the logits by a constant per row: same softmax.
-                masked = top_p_mask(top_k_mask(allowed / self.temperature, self.topk), self.topp)
+                masked = top_k_mask(allowed / self.options.temperature, self.options.top_k)
+                masked = top_p_mask(masked, self.options.top_p)
                 chosen = torch.multinomial(masked.softmax(dim=-1), 1, generator=rng).squeeze(1)
             chosen_scores = lprobs.gather(1, chosen[:, None]).squeeze(1).tolist()
-            if self.need_logprobs:
+            if self.options.logprobs:
                 top_values, top_ids = self._top(lprobs)
             keep = []
             for i, (row, token) in enumerate(zip(rows, chosen.tolist())):
                 new_tokens[row].append(token)
                 scores[row].append(chosen_scores[i])
-                if self.need_logprobs:
+                if self.options.logprobs:
                     tops[row].append((top_values[i], top_ids[i]))
                 if stream is not None:
-                    stream(row, token)
+                    stream(row // self.options.samples, token)  # the prompt whose sample this is
                 reasons[row] = self._finish_reason(new_tokens[row], step, max_new)
                 if reasons[row] is None:
                     keep.append(i)
@@ -282,10 +292,10 @@ class SequenceGenerator(nn.Module):
     def _hypothesis(self, new_tokens, scores, tops, reason, score=None) -> Hypothesis:
         positional = torch.tensor(scores, dtype=torch.float)
         if score is None:
-            score = positional.sum().item() / (len(scores) ** self.length_penalty)
+            score = positional.sum().item() / (len(scores) ** self.options.length_penalty)
         hypo = {"tokens": torch.tensor(new_tokens, dtype=torch.long), "positional_scores": positional,
                 "score": score, "finish_reason": reason}
-        if self.need_logprobs:
+        if self.options.logprobs:
             hypo["top_logprobs"] = torch.stack([v for v, _ in tops]).cpu()
             hypo["top_tokens"] = torch.stack([i for _, i in tops]).cpu()
         return hypo
@@ -293,7 +303,7 @@ class SequenceGenerator(nn.Module):
     # -- beam search --------------------------------------------------------------------------
 
     def _beam_search(self, tokens, state, lprobs, max_new) -> List[List[Hypothesis]]:
-        batch, n, device = tokens.size(0), self.beam_size, tokens.device
+        batch, n, device = tokens.size(0), self.options.beams, tokens.device
         expand = torch.arange(batch, device=device).repeat_interleave(n)  # every prompt n times
         tokens, lprobs = tokens.index_select(0, expand), lprobs.index_select(0, expand)
         self.decoder.reorder_incremental_state(state, expand)
@@ -308,7 +318,7 @@ class SequenceGenerator(nn.Module):
         for step in range(max_new):
             groups = len(active)
             allowed = self._ban(lprobs, step)
-            if self.need_logprobs:
+            if self.options.logprobs:
                 top_values, top_ids = self._top(lprobs)
             candidates = (allowed.view(groups, n, vocab) + running[:, :, None]).view(groups, n * vocab)
             cand_scores, cand_index = candidates.topk(2 * n, dim=-1)  # (G, 2n), best first
@@ -326,7 +336,7 @@ class SequenceGenerator(nn.Module):
                 entry = {k: list(v[row]) for k, v in history.items()}
                 entry["tokens"].append(token)
                 entry["scores"].append(logprob)
-                if self.need_logprobs:
+                if self.options.logprobs:
                     entry["tops"].append((top_values[row], top_ids[row]))
                 return entry
 
@@ -338,7 +348,7 @@ class SequenceGenerator(nn.Module):
                         entry = extended(cand_rows[g, j].item(), cand_tokens[g, j].item(), cand_logprob[g, j].item())
                         last_token = entry["tokens"][-1]
                         reason = EOS if last_token == self.eos else STOP if last_token in self.stop.single_tokens else LENGTH
-                        score = cand_scores[g, j].item() / (gen_len ** self.length_penalty)
+                        score = cand_scores[g, j].item() / (gen_len ** self.options.length_penalty)
                         finished[prompt].append(self._hypothesis(entry["tokens"], entry["scores"], entry["tops"], reason, score))
                 finished[prompt] = sorted(finished[prompt], key=lambda h: -h["score"])[:n]
             if last_step:
@@ -351,7 +361,7 @@ class SequenceGenerator(nn.Module):
             # running beam, scored at the current length, cannot beat the worst of them.
             keep = [g for g, prompt in enumerate(active)
                     if len(finished[prompt]) < n
-                    or running[g, 0].item() / (gen_len ** self.length_penalty) > finished[prompt][-1]["score"]]
+                    or running[g, 0].item() / (gen_len ** self.options.length_penalty) > finished[prompt][-1]["score"]]
             if not keep:
                 break
             order = next_rows[keep].flatten()
@@ -361,7 +371,7 @@ class SequenceGenerator(nn.Module):
             history = {
                 "tokens": [history["tokens"][r] + [t] for r, t in zip(rows_cpu, tokens_cpu)],
                 "scores": [history["scores"][r] + [s] for r, s in zip(rows_cpu, logprobs_cpu)],
-                "tops": [history["tops"][r] + ([(top_values[r], top_ids[r])] if self.need_logprobs else [])
+                "tops": [history["tops"][r] + ([(top_values[r], top_ids[r])] if self.options.logprobs else [])
                          for r in rows_cpu],
             }
             tokens = torch.cat([tokens.index_select(0, order), chosen_tokens[:, None]], dim=1)
@@ -386,8 +396,8 @@ class SequenceGenerator(nn.Module):
             info = {"prompt_tokens": torch.tensor(prompt, dtype=torch.long),
                     "prompt_scores": torch.cat([torch.tensor([math.nan]),
                                                 predicted.gather(1, targets[:, None]).squeeze(1).cpu()])}
-            if self.need_logprobs:
-                values, ids = predicted.topk(self.logprobs_topk, dim=-1)
+            if self.options.logprobs:
+                values, ids = predicted.topk(self.options.logprobs, dim=-1)
                 info["prompt_top_logprobs"], info["prompt_top_tokens"] = values.cpu(), ids.cpu()
             infos.append(info)
         return infos

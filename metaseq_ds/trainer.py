@@ -4,12 +4,16 @@ The engine owns ZeRO partitioning, precision, gradient accumulation and clipping
 trainer owns what metaseq's trainer owned: loss normalisation over the global batch,
 LR schedule, seeds, metrics and the client state of checkpoints.
 
-Loss normalisation: metaseq divides the summed loss of an update by the number of target
-tokens in the whole update (all ranks, all micro-batches). DeepSpeed divides each backward
-by the accumulation steps and averages gradients over ranks, so each micro-batch's summed
-loss is scaled by steps * ranks / global_tokens: the result is exactly metaseq's gradient,
-whatever the split of the global batch. With tensor parallelism "ranks" are the
-data-parallel ranks: the ranks of one tensor-parallel group see the same batch.
+Loss normalisation: metaseq divides the summed loss of an update by the criterion's sample
+size (the number of target tokens, for the LM criteria) over the whole update (all ranks, all
+micro-batches). DeepSpeed divides each backward by the accumulation steps and averages
+gradients over ranks, so each micro-batch's summed loss is scaled by
+steps * ranks / global_sample_size before its backward: the result is exactly metaseq's
+gradient, whatever the split of the global batch. That scale must be known before the first
+backward, so the criterion declares each micro-batch's sample size up front
+(`BaseCriterion.sample_size`), and the size its forward returns is checked against it. With
+tensor parallelism "ranks" are the data-parallel ranks: one tensor-parallel group's ranks
+see the same batch.
 """
 
 import logging
@@ -22,12 +26,13 @@ import torch
 
 from metaseq_ds.dataclass import MetaseqConfig
 from metaseq_ds.distributed import utils as dist_utils
-from metaseq_ds.distributed.deepspeed_config import build_deepspeed_config
 from metaseq_ds.distributed.safe_checkpoint_loading import use_weights_only_loading
+from metaseq_ds.errors import UsageError
 from metaseq_ds.logging import metrics
 from metaseq_ds.optim import build_optimizer
 from metaseq_ds.optim.lr_scheduler import build_lr_scheduler
 from metaseq_ds.optim.zero3_master_weights import share_fp32_master_weights
+from metaseq_ds.validation import validation_loss
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +47,17 @@ class _EngineBackward:
         self.engine.backward(loss * self.scale)
 
 
+def check_sample_size(criterion, declared: float, returned) -> None:
+    """The gradient was scaled by the declared size: a forward that returns another breaks it."""
+    if float(returned) != float(declared):
+        raise UsageError(
+            f"criterion {type(criterion).__name__}: forward returned sample_size {float(returned):g} but "
+            f"sample_size(sample) declared {float(declared):g}; they must agree (the gradient is "
+            f"divided by the declared size before the backward): override sample_size(sample)")
+
+
 class Trainer:
-    def __init__(self, cfg: MetaseqConfig, task, model: torch.nn.Module, criterion):
+    def __init__(self, cfg: MetaseqConfig, task, model: torch.nn.Module, criterion, ds_config: Dict[str, Any]):
         import deepspeed
 
         self.cfg, self.task, self.criterion = cfg, task, criterion
@@ -53,10 +67,7 @@ class Trainer:
         self.data_parallel_size = dist_utils.get_data_parallel_world_size()
         self.data_parallel_rank = dist_utils.get_data_parallel_rank()
         self.data_parallel_group = dist_utils.get_data_parallel_group()
-        accelerator = deepspeed.get_accelerator()
-        self.ds_config = build_deepspeed_config(
-            cfg, self.world_size, fp16_supported=accelerator.is_fp16_supported()
-        )
+        self.ds_config = ds_config
         self.optimizer = build_optimizer(cfg.optimizer, [p for p in model.parameters() if p.requires_grad])
         # With tensor parallelism DeepSpeed's group registry is the mpu: the engine then counts
         # data-parallel ranks in its batch arithmetic and reduces ZeRO's gradients over them.
@@ -90,16 +101,17 @@ class Trainer:
         """One update over `update_freq` micro-batches of this rank; returns the global stats."""
         self._seed_for_update()
         start = time.perf_counter()
-        local_tokens = sum(sample["ntokens"] for sample in samples)
-        local_sentences = sum(sample["nsentences"] for sample in samples)
-        global_tokens, global_sentences = self._sum_over_replicas([local_tokens, local_sentences])
-        scale = len(samples) * self.data_parallel_size / max(global_tokens, 1.0)
+        sizes = [self.criterion.sample_size(sample) for sample in samples]
+        local = [sum(sizes), sum(s["ntokens"] for s in samples), sum(s["nsentences"] for s in samples)]
+        global_size, global_tokens, global_sentences = self._sum_over_replicas(local)
+        scale = len(samples) * self.data_parallel_size / max(global_size, 1.0)
         backward = _EngineBackward(self.engine, scale)
         loss_sum = 0.0
         gnorm = None
-        for index, sample in enumerate(samples):
+        for index, (sample, size) in enumerate(zip(samples, sizes)):
             sample = self._to_device(sample)
-            loss, _, logging_output = self.task.train_step(sample, self.model, self.criterion, backward, self.num_updates)
+            loss, returned_size, logging_output = self.task.train_step(sample, self.model, self.criterion, backward, self.num_updates)
+            check_sample_size(self.criterion, size, returned_size)
             loss_sum += float(logging_output["loss"])
             if index == len(samples) - 1 and self._plain_optimizer:
                 gnorm = self._local_grad_norm()
@@ -110,7 +122,7 @@ class Trainer:
         gnorm = self._engine_grad_norm() if gnorm is None else gnorm
         clip_norm = self.cfg.optimization.clip_norm
         return {
-            "loss": total_loss / max(global_tokens, 1.0) / math.log(2),
+            "loss": total_loss / max(global_size, 1.0) / math.log(2),
             "ntokens": global_tokens,
             "nsentences": global_sentences,
             "lr": lr,
@@ -151,19 +163,10 @@ class Trainer:
             return 0.0
         return float(norm.item() if torch.is_tensor(norm) else norm)
 
-    @torch.no_grad()
     def valid_loss(self, iterator, max_steps=None) -> Dict[str, float]:
-        """Summed loss over a validation iterator, reduced over ranks (base 2, per token)."""
-        loss_sum = tokens = 0.0
-        for step, sample in enumerate(iterator):
-            if max_steps is not None and step >= max_steps:
-                break
-            _, _, logging_output = self.task.valid_step(self._to_device(sample), self.model, self.criterion)
-            loss_sum += float(logging_output["loss"])
-            tokens += float(logging_output["ntokens"])
-        loss_sum, tokens = self._sum_over_replicas([loss_sum, tokens])
-        loss = loss_sum / max(tokens, 1.0) / math.log(2)
-        return {"loss": loss, "ppl": 2**loss, "ntokens": tokens}
+        """`validation.validation_loss` on the engine, summed over the data-parallel ranks."""
+        return validation_loss(self.task, self.model, self.criterion, iterator, max_steps,
+                               to_device=self._to_device, sum_over_ranks=self._sum_over_replicas)
 
     def _to_device(self, sample: Dict[str, Any]) -> Dict[str, Any]:
         device = self.engine.device
@@ -177,8 +180,8 @@ class Trainer:
 
         return move(sample)
 
-    # -- checkpoint client state ------------------------------------------------------------
-    def client_state(self) -> Dict[str, Any]:
+    # -- state for checkpoints (DeepSpeed saves it as the engine's "client state") -----------
+    def state_dict(self) -> Dict[str, Any]:
         return {
             "num_updates": self.num_updates,
             "lr_scheduler": self.lr_scheduler.state_dict(),
@@ -186,7 +189,7 @@ class Trainer:
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
         }
 
-    def load_client_state(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.num_updates = state["num_updates"]
         if not self.cfg.checkpoint.reset_lr_scheduler:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])

@@ -1,5 +1,11 @@
-"""Run `mseq train` as real processes (alone, under deepspeed, under torchrun) and read its logs."""
+"""Run `mseq train` as real processes (alone, under deepspeed, under torchrun) and read its logs.
 
+The processes inherit the test's own working directory and HOME (tests/conftest.py), so the
+relative defaults (`--save-dir checkpoints`, the demo's `data/demo_corpus`) land in the test's
+temporary directory.
+"""
+
+import hashlib
 import json
 import os
 import random
@@ -32,6 +38,14 @@ def write_corpus(root: Path, shards: int = 1, docs: int = 120, seed: int = 0) ->
     return root
 
 
+def tree_digest(folder: Path) -> str:
+    """One hash of every path and file content under `folder`: equal digests, untouched folder."""
+    digest = hashlib.sha256()
+    for path in sorted(folder.rglob("*")):
+        digest.update(str(path.relative_to(folder)).encode() + (path.read_bytes() if path.is_file() else b"/"))
+    return digest.hexdigest()
+
+
 def env() -> Dict[str, str]:
     out = dict(os.environ)
     out.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
@@ -52,8 +66,8 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def run(args: List[str], launcher: Optional[str] = None, cwd: Optional[Path] = None, timeout: int = 300,
-        check: bool = True, ranks: int = 2) -> subprocess.CompletedProcess:
+def run(args: List[str], launcher: Optional[str] = None, timeout: int = 300, check: bool = True,
+        ranks: int = 2) -> subprocess.CompletedProcess:
     port = free_port()
     if launcher == "deepspeed":
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port",
@@ -64,7 +78,7 @@ def run(args: List[str], launcher: Optional[str] = None, cwd: Optional[Path] = N
     else:
         cmd = [sys.executable, "-m", "metaseq_ds.cli.main", "train", *args]
     try:
-        result = subprocess.run(cmd, capture_output=True, text=True, env=env(), cwd=cwd, timeout=timeout)
+        result = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=timeout)
     finally:
         remove_shm_buffers(port)
     if check and "train_inner" not in result.stdout:

@@ -66,17 +66,23 @@ def test_hub_layout_without_model_prefix_or_lm_head_imports(tmp_path):
 
 
 def test_restore_file_hf_checks_flags_and_loads(tmp_path):
-    from metaseq_ds.convert.restore import hf_restore
+    from metaseq_ds.checkpoint_manager import CheckpointManager, Layout
+    from metaseq_ds.distributed.materialize import materialize
     from metaseq_ds.options import parse_train_config
+
+    def hf_plan(cfg):
+        manager = CheckpointManager(cfg, Layout(world_size=1, zero_stage=0, tensor_parallel_size=1))
+        return manager, manager.plan()
 
     hf = random_hf_opt()
     hf.save_pretrained(tmp_path / "hf")
     cfg = parse_train_config(TINY_MODEL + ["--restore-file", f"hf:{tmp_path / 'hf'}"])
     wrong = parse_train_config(TINY_MODEL[:-4] + ["--tokens-per-sample", "8", "--restore-file", f"hf:{tmp_path / 'hf'}"])
     with pytest.raises(UsageError, match="max_target_positions=16, this run 8 \\(use --max-target-positions 16\\)"):
-        hf_restore(wrong)
+        hf_plan(wrong)
     model = build_model(cfg.model, seed=5)
-    hf_restore(cfg).load_into(model)
+    manager, plan = hf_plan(cfg)
+    materialize(model, manager.parameter_values(plan, model))
     assert logits_diff(model, hf) < 1e-5
 
 

@@ -17,11 +17,11 @@ from metaseq_ds.sequence_generator import SequenceGenerator, left_pad, top_k_mas
 from test_hf_parity import PAD, TinyDictionary, build_pair
 
 
-def FrequentEosDictionary():
-    """eos = 3, a token the tiny random model often prefers, so that beams end early and
-    the finished-beam bookkeeping is exercised, not only the length limit."""
+def FrequentEosDictionary(token: int):
+    """eos = `token`, one the tiny random model often prefers (`frequent_token`), so that beams
+    end early and the finished-beam bookkeeping is exercised, not only the length limit."""
     dictionary = TinyDictionary()
-    dictionary.eos_index = 3
+    dictionary.eos_index = token
     return dictionary
 
 
@@ -36,9 +36,36 @@ def pair():
     return ours, hf
 
 
+BEAM_CASES = [(1, 1.0), (3, 1.0), (4, 0.5), (2, 2.0)]
+
+
+@pytest.fixture(scope="module")
+def frequent_token(pair):
+    """A token the random model often chooses after the test prompts, such that used as eos it
+    ends some completions and not others in every beam case (so both endings are compared).
+    Found from the model, not hard-coded: which token that is depends on the initial weights."""
+    ours, _ = pair
+    counts = {}
+    for seed in range(4):
+        for [hypo] in SequenceGenerator([ours], TinyDictionary(), max_new_tokens=9, temperature=0).generate([ours], _prompts(seed)):
+            for token in hypo["tokens"].tolist():
+                counts[token] = counts.get(token, 0) + 1
+
+    def ends_both_ways(token):
+        for beams, length_penalty in BEAM_CASES:
+            generator = SequenceGenerator([ours], FrequentEosDictionary(token), beam_size=beams, max_new_tokens=9,
+                                          temperature=0, length_penalty=length_penalty)
+            reasons = {hypos[0]["finish_reason"] for seed in range(4) for hypos in generator.generate([ours], _prompts(seed))}
+            if not {"eos", "length"} <= reasons:
+                return False
+        return True
+
+    return next(token for token in sorted(counts, key=counts.get, reverse=True) if ends_both_ways(token))
+
+
 @pytest.mark.parametrize("generation_fast", [False, True], ids=["as_trained", "generation_fast"])
-@pytest.mark.parametrize("beams, length_penalty", [(1, 1.0), (3, 1.0), (4, 0.5), (2, 2.0)])
-def test_greedy_and_beam_search_equal_hugging_face_generate(pair, beams, length_penalty, generation_fast):
+@pytest.mark.parametrize("beams, length_penalty", BEAM_CASES)
+def test_greedy_and_beam_search_equal_hugging_face_generate(pair, frequent_token, beams, length_penalty, generation_fast):
     ours, hf = pair
     if generation_fast:
         ours = copy.deepcopy(ours)
@@ -49,8 +76,8 @@ def test_greedy_and_beam_search_equal_hugging_face_generate(pair, beams, length_
         batch = left_pad(prompts, PAD)
         theirs = hf.generate(batch, attention_mask=batch.ne(PAD).long(), max_new_tokens=9, do_sample=False,
                              num_beams=beams, length_penalty=length_penalty, suppress_tokens=[PAD],
-                             pad_token_id=PAD, eos_token_id=3)
-        generator = SequenceGenerator([ours], FrequentEosDictionary(), beam_size=beams, max_new_tokens=9,
+                             pad_token_id=PAD, eos_token_id=frequent_token)
+        generator = SequenceGenerator([ours], FrequentEosDictionary(frequent_token), beam_size=beams, max_new_tokens=9,
                                       temperature=0, length_penalty=length_penalty)
         hypos = generator.generate([ours], prompts)
         for row, row_hypos in enumerate(hypos):
@@ -92,15 +119,18 @@ def test_scores_and_top_logprobs_are_the_models_log_probabilities(pair):
     assert hypo["top_tokens"][:, 0].tolist() == hypo["tokens"].tolist()  # greedy picks the top token
 
 
-def test_min_new_tokens_holds_back_eos(pair):
+def test_min_new_tokens_holds_back_eos(pair, frequent_token):
     ours, _ = pair
-    prompt = [[30, 12, 5]]
-    free = SequenceGenerator([ours], FrequentEosDictionary(), max_new_tokens=12, temperature=0).generate([ours], prompt)
+    eos = FrequentEosDictionary(frequent_token)
+    ended = [[p] for seed in range(4) for p in _prompts(seed)
+             if SequenceGenerator([ours], eos, max_new_tokens=12, temperature=0).generate([ours], [p])[0][0]["finish_reason"] == "eos"]
+    prompt = min(ended, key=lambda p: len(SequenceGenerator([ours], eos, max_new_tokens=12, temperature=0).generate([ours], p)[0][0]["tokens"]))
+    free = SequenceGenerator([ours], eos, max_new_tokens=12, temperature=0).generate([ours], prompt)
     assert free[0][0]["finish_reason"] == "eos"
     at_least = len(free[0][0]["tokens"]) + 2
-    held = SequenceGenerator([ours], FrequentEosDictionary(), max_new_tokens=12, min_new_tokens=at_least,
+    held = SequenceGenerator([ours], eos, max_new_tokens=12, min_new_tokens=at_least,
                              temperature=0).generate([ours], prompt)
-    assert 3 not in held[0][0]["tokens"][:at_least].tolist()
+    assert frequent_token not in held[0][0]["tokens"][:at_least].tolist()
     assert len(held[0][0]["tokens"]) > at_least - 2
 
 

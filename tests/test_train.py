@@ -1,7 +1,7 @@
 """`mseq train` end to end, as real processes: logs, checkpoints, resume, launchers, errors."""
 
-import hashlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from launch import TINY, env, log_records, losses, run, write_corpus
+from launch import TINY, env, log_records, losses, run, tree_digest, write_corpus
 
 LOG_KEYS = {"epoch", "update", "loss", "ppl", "wps", "ups", "wpb", "bsz", "num_updates", "lr", "gnorm",
             "clip", "train_wall", "wall"}
@@ -53,6 +53,21 @@ def test_validate_reports_loss_per_subset(trained):
     assert result.returncode == 0, result.stderr
     line = [l for l in result.stdout.splitlines() if l.startswith("valid: loss")]
     assert line and "ppl" in line[0] and "update 6" in line[0]
+
+
+def test_default_save_dir_is_checkpoints_in_the_working_directory(corpus):
+    result = run([str(corpus), *TINY, "--max-update", "2", "--batch-size", "4", "--disable-validation"])
+    assert Path("checkpoints", "checkpoint_last").read_text().strip() == "checkpoint_1_2"
+    assert "mseq validate --path checkpoints" in result.stdout
+
+
+def test_demo_writes_its_corpus_to_data_and_ends_with_loss_and_entropy():
+    """README command 1, shortened: no DATA; CI (.ci/run) reads the last two lines checked here."""
+    result = run(["--max-update", "2", "--max-valid-steps", "1"])
+    assert (Path("data") / "demo_corpus" / "demo_corpus.json").is_file()
+    assert Path("checkpoints", "checkpoint_last").read_text().strip() == "checkpoint_1_2"
+    assert re.search(r"^valid: loss \d+\.\d+ bits/token, ppl", result.stdout, re.MULTILINE), result.stdout[-2000:]
+    assert re.search(r"^byte-unigram entropy of the demo corpus: \d+\.\d+ bits/token$", result.stdout, re.MULTILINE)
 
 
 @pytest.mark.slow
@@ -140,19 +155,11 @@ def test_metaseq_documented_command_runs_with_fp16_fallback(tmp_path):
     assert len(losses(result.stdout)) == 2
 
 
-def _tree_digest(folder: Path) -> str:
-    digest = hashlib.sha256()
-    for path in sorted(folder.rglob("*")):
-        if path.is_file():
-            digest.update(str(path.relative_to(folder)).encode() + path.read_bytes())
-    return digest.hexdigest()
-
-
 @pytest.mark.parametrize("case", ["missing_data", "no_shards", "malformed_line", "unknown_flag", "invalid_value",
                                   "other_arch"])
 def test_bad_input_is_one_line_exit_2_and_checkpoints_untouched(case, corpus, trained, tmp_path):
     save_dir, _ = trained
-    before = _tree_digest(save_dir)
+    before = tree_digest(save_dir)
     data = str(corpus)
     extra, expected = [], ""
     if case == "missing_data":
@@ -179,7 +186,7 @@ def test_bad_input_is_one_line_exit_2_and_checkpoints_untouched(case, corpus, tr
     errors = [line for line in result.stderr.splitlines() if line.startswith("mseq train: error:")]
     assert len(errors) == 1 and expected in errors[0], result.stderr[-3000:]
     assert "Traceback" not in result.stderr
-    assert _tree_digest(save_dir) == before
+    assert tree_digest(save_dir) == before
 
 
 @pytest.mark.slow

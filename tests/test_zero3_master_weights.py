@@ -17,6 +17,7 @@ def run_steps(share: bool) -> dict:
 
     from metaseq_ds.distributed import utils as dist_utils
     from metaseq_ds.optim.zero3_master_weights import share_fp32_master_weights
+    from metaseq_ds.private_apis import zero3_flat_partitions
 
     dist_utils.init_distributed()
     torch.manual_seed(0)
@@ -26,9 +27,8 @@ def run_steps(share: bool) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     freed = share_fp32_master_weights(engine) if share else 0
-    zero = engine.optimizer
     shared = all(m.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
-                 for m, p in zip(zero.fp32_partitioned_groups_flat, zero.fp16_partitioned_groups_flat))
+                 for m, p in zero3_flat_partitions(engine.optimizer))
     losses = []
     for step in range(4):
         generator = torch.Generator().manual_seed(step)

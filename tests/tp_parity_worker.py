@@ -7,7 +7,8 @@ import json
 
 import torch
 
-from metaseq_ds.criterions import CrossEntropyCriterion, VocabParallelCrossEntropyCriterion
+from metaseq_ds.criterions import CrossEntropyCriterion
+from metaseq_ds.model_parallel.criterions import VocabParallelCrossEntropyCriterion
 from metaseq_ds.data import Dictionary
 from metaseq_ds.distributed import utils as dist_utils
 from metaseq_ds.distributed.tensor_parallel import apply_tensor_parallel, partition_dim

@@ -19,17 +19,18 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 from metaseq_ds.errors import UsageError
+from metaseq_ds.generation_options import GenerationOptions, StopItem
 
 OUTPUT_FORMATS = ("text", "jsonl")
 
 
-def main(prompts: List[str], path: str, input_file: Optional[str], max_tokens: int, min_tokens: int,
-         temperature: float, top_p: float, top_k: int, n: int, best_of: Optional[int], logprobs: int,
-         echo: bool, stop: List[str], seed: Optional[int], length_penalty: float, output_format: str) -> None:
-    check_options(temperature, top_p, top_k, n, best_of, max_tokens, min_tokens, output_format)
+def main(prompts: List[str], path: str, input_file: Optional[str], options: GenerationOptions,
+         output_format: str) -> None:
+    if output_format not in OUTPUT_FORMATS:
+        raise UsageError(f"--output-format must be one of {', '.join(OUTPUT_FORMATS)}, got {output_format!r}")
     if prompts and input_file:
         raise UsageError("give prompts as arguments or --input-file, not both")
     if input_file:
@@ -49,34 +50,15 @@ def main(prompts: List[str], path: str, input_file: Optional[str], max_tokens: i
 
         interface = GeneratorInterface(path)
         interface.load_model()
-    options = dict(min_tokens=min_tokens, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                   top_k=top_k, n=n, best_of=best_of, logprobs=logprobs, echo=echo, stop=stop or None,
-                   seed=seed, length_penalty=length_penalty)
     if interactive:
         run_interactive(interface, options, output_format)
         return
-    results = interface.generate(prompts, **options)
+    results = interface.generate(prompts, options=options)
     if int(os.environ.get("RANK", "0")) != 0:  # every rank decodes the same tokens; one prints
         return
     for prompt, completions in zip(prompts, results):
         for completion in completions:
             print_result(prompt, completion, output_format)
-
-
-def check_options(temperature, top_p, top_k, n, best_of, max_tokens, min_tokens, output_format) -> None:
-    """Bad sampling flags stop before the model is loaded, naming the flag."""
-    if temperature < 0:
-        raise UsageError(f"--temperature must be >= 0 (0 is greedy), got {temperature}")
-    if not 0.0 < top_p <= 1.0:
-        raise UsageError(f"--top-p must be in (0, 1], got {top_p}")
-    if top_k < 0:
-        raise UsageError(f"--top-k must be >= 0 (0 is off), got {top_k}")
-    if n < 1 or (best_of is not None and best_of < n):
-        raise UsageError(f"--n must be >= 1 and --best-of >= --n, got --n {n} --best-of {best_of}")
-    if max_tokens < 1 or not 0 <= min_tokens <= max_tokens:
-        raise UsageError(f"need --max-tokens >= 1 and 0 <= --min-tokens <= --max-tokens, got {max_tokens} and {min_tokens}")
-    if output_format not in OUTPUT_FORMATS:
-        raise UsageError(f"--output-format must be one of {', '.join(OUTPUT_FORMATS)}, got {output_format!r}")
 
 
 def read_prompts(path: Path) -> List[str]:
@@ -115,9 +97,9 @@ class TokenPrinter:
     """Prints a completion as its tokens arrive. Text that could still become a stop string is
     held back until the next token decides, and the final text (stop string cut) ends the line."""
 
-    def __init__(self, interface, stop: List[str]):
+    def __init__(self, interface, stop: Sequence[StopItem]):
         self.interface = interface
-        self.hold = max((len(s) for s in stop), default=1) - 1
+        self.hold = max((len(s) for s in stop if isinstance(s, str)), default=1) - 1
         self.tokens: List[int] = []
         self.printed = 0
 
@@ -137,8 +119,8 @@ class TokenPrinter:
         sys.stdout.flush()
 
 
-def run_interactive(interface, options: dict, output_format: str) -> None:
-    streaming = output_format == "text" and options["n"] == 1 and (options["best_of"] or 1) == 1 and not options["echo"]
+def run_interactive(interface, options: GenerationOptions, output_format: str) -> None:
+    streaming = output_format == "text" and options.n == 1 and options.best_of == 1 and not options.echo
     print("Type a prompt and press Enter (Ctrl-D to quit).", file=sys.stderr)
     while True:
         try:
@@ -150,11 +132,11 @@ def run_interactive(interface, options: dict, output_format: str) -> None:
             continue
         try:
             if streaming:
-                printer = TokenPrinter(interface, options["stop"] or [])
-                [[completion]] = interface.generate([prompt], stream=printer, **options)
+                printer = TokenPrinter(interface, options.stop)
+                [[completion]] = interface.generate([prompt], stream=printer, options=options)
                 printer.finish(completion["text"])
             else:
-                for completion in interface.generate([prompt], **options)[0]:
+                for completion in interface.generate([prompt], options=options)[0]:
                     print_result(prompt, completion, output_format)
         except UsageError as error:  # a bad prompt should not end the session
             print(f"error: {error}", file=sys.stderr)

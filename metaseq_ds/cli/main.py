@@ -5,14 +5,15 @@ so `mseq --help` never imports torch or deepspeed.
 `metaseq_ds.options` from the config dataclasses; typer only routes to it.
 """
 
-import os
 import sys
+from contextlib import contextmanager
 from typing import List, Optional
 
 import typer
 
 from metaseq_ds import __version__
 from metaseq_ds.errors import UsageError
+from metaseq_ds.generation_options import GenerationOptions  # pydantic only: --help stays free of torch
 
 app = typer.Typer(
     name="mseq",
@@ -25,13 +26,20 @@ app = typer.Typer(
 PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
 
 
-def run_guarded(command: str, fn, *args) -> None:
-    """Run a command; a UsageError becomes one line on stderr and exit code 2."""
+@contextmanager
+def guarded(command: str):
+    """A UsageError raised inside becomes one line on stderr and exit code 2."""
     try:
-        fn(*args)
+        yield
     except UsageError as error:
         print(f"mseq {command}: error: {error}", file=sys.stderr)
         raise SystemExit(error.exit_code) from None
+
+
+def run_guarded(command: str, fn, *args) -> None:
+    """Run a command's function under `guarded`."""
+    with guarded(command):
+        fn(*args)
 
 
 @app.command(context_settings=PASS_THROUGH, add_help_option=False)
@@ -56,30 +64,45 @@ def validate(
     run_guarded("validate", validate_module.main, path, valid_subset, data, batch_size, max_valid_steps)
 
 
+def _flag(field: str) -> str:
+    """`mseq generate`'s flag for a GenerationOptions field."""
+    return "--" + field.replace("_", "-")
+
+
+def _sampling_flag(field: str):
+    """A `mseq generate` flag whose default and help (description, range) are the options' field's."""
+    return typer.Option(GenerationOptions.model_fields[field].default, _flag(field),
+                        help=GenerationOptions.describe(field, _flag))
+
+
 @app.command()
 def generate(
     prompts: Optional[List[str]] = typer.Argument(None, help="prompts (none: --input-file, or an interactive prompt on a terminal)"),
     path: str = typer.Option(..., "--path", help="checkpoint: a save dir (its last checkpoint) or a checkpoint_* dir"),
     input_file: Optional[str] = typer.Option(None, "--input-file", help="prompts, one per line, or .jsonl with a \"prompt\" field"),
-    max_tokens: int = typer.Option(32, "--max-tokens", help="at most N new tokens per completion"),
-    min_tokens: int = typer.Option(0, "--min-tokens", help="at least N new tokens before </s> or a stop may end it"),
-    temperature: float = typer.Option(1.0, "--temperature", help="sampling temperature; 0 is greedy (beam search with --best-of > 1)"),
-    top_p: float = typer.Option(1.0, "--top-p", help="nucleus sampling: the most probable tokens up to this mass, in (0, 1]"),
-    top_k: int = typer.Option(0, "--top-k", help="sample among the K most probable tokens (0: all)"),
-    n: int = typer.Option(1, "--n", help="completions per prompt"),
-    best_of: Optional[int] = typer.Option(None, "--best-of", help="generate this many (samples, or beams at temperature 0), return the best --n"),
-    logprobs: int = typer.Option(0, "--logprobs", help="report the K most likely tokens at each position (jsonl)"),
-    echo: bool = typer.Option(False, "--echo", help="include (and score) the prompt in the output"),
-    stop: Optional[List[str]] = typer.Option(None, "--stop", help="stop at this string (repeatable; may span tokens; not in the output)"),
-    seed: Optional[int] = typer.Option(None, "--seed", help="seed for reproducible sampling"),
-    length_penalty: float = typer.Option(1.0, "--length-penalty", help="beam scores are divided by length ** this"),
+    max_tokens: int = _sampling_flag("max_tokens"),
+    min_tokens: int = _sampling_flag("min_tokens"),
+    temperature: float = _sampling_flag("temperature"),
+    top_p: float = _sampling_flag("top_p"),
+    top_k: int = _sampling_flag("top_k"),
+    n: int = _sampling_flag("n"),
+    best_of: Optional[int] = _sampling_flag("best_of"),
+    logprobs: int = _sampling_flag("logprobs"),
+    echo: bool = _sampling_flag("echo"),
+    stop: Optional[List[str]] = typer.Option(None, "--stop", help=GenerationOptions.describe("stop", _flag) + "; repeatable"),
+    seed: Optional[int] = _sampling_flag("seed"),
+    length_penalty: float = _sampling_flag("length_penalty"),
     output_format: str = typer.Option("text", "--output-format", help="text, or jsonl (metaseq's result dicts)"),
 ) -> None:
     """Complete prompts with a checkpoint: greedy, sampling (top-k/top-p) or beam search."""
     from metaseq_ds.cli import generate as generate_module
 
-    run_guarded("generate", generate_module.main, prompts or [], path, input_file, max_tokens, min_tokens, temperature,
-                top_p, top_k, n, best_of, logprobs, echo, stop or [], seed, length_penalty, output_format)
+    values = dict(max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                  n=n, best_of=best_of, logprobs=logprobs, echo=echo, stop=stop or (), seed=seed,
+                  length_penalty=length_penalty)
+    with guarded("generate"):
+        options = GenerationOptions.from_values(values, name=_flag)
+        generate_module.main(prompts or [], path, input_file, options, output_format)
 
 
 @app.command()
@@ -176,10 +199,9 @@ def _root(
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    if os.environ.get("METASEQ_DS_COMPAT"):  # plugins that `import fairseq` and cannot be edited
-        import compat
+    from metaseq_ds.user_code import install_compat_if_asked
 
-        run_guarded("compat", compat.install_from_env)
+    run_guarded("compat", install_compat_if_asked)  # plugins that `import fairseq` and cannot be edited
     app(args=argv, prog_name="mseq")
 
 

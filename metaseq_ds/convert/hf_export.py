@@ -4,11 +4,11 @@
     python -c "from transformers import OPTForCausalLM; OPTForCausalLM.from_pretrained('out/opt')"
 
 CKPT is a save dir (its `checkpoint_last`) or a `checkpoint_*` dir, saved by any number of
-ranks with any ZeRO stage. OUT gets `config.json`, `generation_config.json`, the weights as
-`model.safetensors` (or shards + `model.safetensors.index.json` above `--max-shard-size`)
-and, when the run had tokenizer files, the tokenizer. Weights stream tensor by tensor from
-memory-mapped files, so the export never holds two copies of the model. Tensor-parallel
-checkpoints do not exist yet (no tensor parallelism), so there are none to merge.
+ranks with any ZeRO stage and tensor-parallel degree (shards are merged by the partition
+metadata the checkpoint records). OUT gets `config.json`, `generation_config.json`, the
+weights as `model.safetensors` (or shards + `model.safetensors.index.json` above
+`--max-shard-size`) and, when the run had tokenizer files, the tokenizer. Weights stream
+tensor by tensor from memory-mapped files, so the export never holds two copies of the model.
 """
 
 import contextlib

@@ -26,8 +26,9 @@ def import_hf(hf_dir: str, out: str) -> List[str]:
     return write_weights_only_checkpoint(Path(out), state_dict, model_fields, tokenizer_files(folder), f"HF_DIR {folder}")
 
 
-def read_hf_model(folder: Path) -> Tuple[Dict[str, Any], Dict[str, torch.Tensor]]:
-    """Our model fields and our state dict for an OPT folder."""
+def read_hf_model(folder: Path) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """Our model fields and our state dict for an OPT folder; safetensors weights are read lazily
+    (each `.contiguous()` reads one tensor from the file), `.bin` files are memory-mapped."""
     from metaseq_ds.models.hf_opt import state_dict_from_hf
 
     hf_config = read_hf_config(folder)
@@ -84,8 +85,9 @@ def model_fields_from_hf(hf_config, source: str) -> Dict[str, Any]:
     }, source)
 
 
-def read_hf_weights(folder: Path) -> Dict[str, torch.Tensor]:
-    """All tensors of the folder's weight files (safetensors preferred, then pytorch_model.bin)."""
+def read_hf_weights(folder: Path) -> Dict[str, Any]:
+    """All tensors of the folder's weight files (safetensors preferred, then pytorch_model.bin),
+    each read when it is used (see `read_hf_model`)."""
     for single, index in (("model.safetensors", "model.safetensors.index.json"),
                           ("pytorch_model.bin", "pytorch_model.bin.index.json")):
         if (folder / index).is_file():
@@ -105,18 +107,37 @@ def read_hf_weights(folder: Path) -> Dict[str, torch.Tensor]:
     return weights
 
 
-def _read_weight_file(path: Path) -> Dict[str, torch.Tensor]:
+def _read_weight_file(path: Path) -> Dict[str, Any]:
     if not path.is_file():
         raise UsageError(f"{path}: listed in the index but missing")
     try:
         if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
+            from safetensors import safe_open
 
-            return load_file(str(path))
-        return torch.load(path, map_location="cpu", weights_only=True)
+            handle = safe_open(str(path), framework="pt")
+            return {key: SafetensorsTensor(path, handle, key) for key in handle.keys()}
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as error:  # safetensors and torch raise many types for a damaged file
-        first = (str(error).splitlines() or [type(error).__name__])[0]
-        raise UsageError(f"{path}: cannot read (truncated or damaged file?): {first}") from None
+        raise _unreadable(path, error) from None
+
+
+def _unreadable(path: Path, error: Exception) -> UsageError:
+    first = (str(error).splitlines() or [type(error).__name__])[0]
+    return UsageError(f"{path}: cannot read (truncated or damaged file?): {first}")
+
+
+class SafetensorsTensor:
+    """One tensor of a safetensors file, read only when `.contiguous()` is called."""
+
+    def __init__(self, path: Path, handle, key: str):
+        self.path, self.handle, self.key = path, handle, key
+        self.shape = torch.Size(handle.get_slice(key).get_shape())
+
+    def contiguous(self) -> torch.Tensor:
+        try:
+            return self.handle.get_tensor(self.key)
+        except Exception as error:  # a file cut short fails only when its data is read
+            raise _unreadable(self.path, error) from None
 
 
 def tokenizer_files(folder: Path) -> Dict[str, Path]:

@@ -5,6 +5,8 @@ One table per direction, `{}` standing for the layer index (ours <-> Hugging Fac
 split into q/k/v by `metaseq_import`, with rows ordered K, V, Q within each part.
 """
 
+from metaseq_ds.distributed import tensor_parallel
+
 METASEQ_TOP_LEVEL_KEYS = {
     "decoder.embed_tokens.weight": "decoder.embed_tokens.weight",
     "decoder.embed_positions.weight": "decoder.embed_positions.weight",
@@ -29,27 +31,6 @@ FUSED_ORDER = ("k", "v", "q")  # row blocks of qkv_proj within one model-paralle
 # Bookkeeping entries, not weights: a version counter, sinusoids' device anchor.
 DROPPED_KEYS = ("decoder.version", "decoder.embed_positions._float_tensor")
 
-# Model-parallel parts: column-parallel tensors are split on dim 0 (output rows, vocabulary
-# rows), row-parallel weights on dim 1 (input columns); everything else is replicated.
-# Keys here are metaseq's, after the layer prefix `decoder.layers.{i}.` where there is one.
-PARTITION_DIM = {
-    "decoder.embed_tokens.weight": 0,
-    "decoder.output_projection.weight": 0,
-    "self_attn.qkv_proj.weight": 0,
-    "self_attn.qkv_proj.bias": 0,
-    "self_attn.q_proj.weight": 0,
-    "self_attn.q_proj.bias": 0,
-    "self_attn.k_proj.weight": 0,
-    "self_attn.k_proj.bias": 0,
-    "self_attn.v_proj.weight": 0,
-    "self_attn.v_proj.bias": 0,
-    "fc1.weight": 0,
-    "fc1.bias": 0,
-    "self_attn.out_proj.weight": 1,
-    "fc2.weight": 1,
-}
-
-
 def metaseq_key_map(num_layers: int) -> dict:
     keys = dict(METASEQ_TOP_LEVEL_KEYS)
     for layer in range(num_layers):
@@ -58,7 +39,8 @@ def metaseq_key_map(num_layers: int) -> dict:
 
 
 def partition_dim(key: str):
-    """The dim a model-parallel part splits `key` on, or None when every part holds all of it."""
-    if key.startswith("decoder.layers."):
-        key = key.split(".", 3)[3]
-    return PARTITION_DIM.get(key)
+    """The dim a metaseq model-parallel part splits `key` (metaseq's name) on, or None when every
+    part holds all of it. metaseq's Megatron layers split as our tensor-parallel plan does, so the
+    plan's table answers, for our name of the key (a fused qkv_proj splits as its q/k/v do)."""
+    ours = METASEQ_TOP_LEVEL_KEYS.get(key, key.replace(".qkv_proj.", ".q_proj."))
+    return tensor_parallel.partition_dim(ours)

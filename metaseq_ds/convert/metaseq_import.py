@@ -5,7 +5,7 @@
     mseq import metaseq fairseq_lm/checkpoint_best.pt ckpt/lm --vocab-filename ... --merges-filename ...
 
 Accepted: a singleton `.pt` (split q/k/v or fused `qkv_proj`), model-parallel parts
-`PREFIX-model_part-{r}.pt` (merged per `key_maps.PARTITION_DIM`; fused qkv rows are K, V, Q
+`PREFIX-model_part-{r}.pt` (merged by the split dimensions of our tensor-parallel plan, `key_maps.partition_dim`; fused qkv rows are K, V, Q
 within each part), and fairseq checkpoints of `transformer_lm` / `transformer_lm_gpt*`.
 Files load with `weights_only=True` when torch allows; otherwise the restricted unpickler reads
 them without importing fairseq, metaseq or omegaconf, and the command says which classes

@@ -63,9 +63,9 @@ class StandIn:
 
 
 def _allowed_globals() -> Dict[str, Any]:
-    from torch import _weights_only_unpickler
+    from metaseq_ds.private_apis import weights_only_allowed_globals
 
-    allowed = dict(_weights_only_unpickler._get_allowed_globals())
+    allowed = weights_only_allowed_globals()
     allowed.update(EXTRA_ALLOWED)
     try:  # numpy scalars and arrays (fairseq stored e.g. the best loss as numpy.float64)
         import numpy

@@ -23,16 +23,13 @@ TAG = "checkpoint_0_0"
 
 
 def run_config(model_fields: Mapping[str, Any], tokenizer: Mapping[str, str], vocab_size: int):
-    """A full `MetaseqConfig` for the imported model, built by the production flag parser."""
-    from metaseq_ds.options import flag, parse_train_config
+    """A full `MetaseqConfig` for the imported model: what `--arch transformer_lm` with these
+    model fields and tokenizer files gives (no data directory: the weights came without one)."""
+    from metaseq_ds.options import config_from_values
 
-    argv = ["--arch", "transformer_lm", "--tokens-per-sample", str(model_fields["max_target_positions"]),
-            "--final-vocab-size", str(vocab_size)]
-    for name, value in {**model_fields, **tokenizer}.items():
-        if value is None or value is False:
-            continue
-        argv += [flag(name)] if value is True else [flag(name), str(value)]
-    return parse_train_config(argv)
+    values = {**model_fields, **tokenizer, "tokens_per_sample": model_fields["max_target_positions"],
+              "final_vocab_size": vocab_size}
+    return config_from_values({name: value for name, value in values.items() if value is not None})
 
 
 def check_tokenizer_fits(tokenizer: Mapping[str, str], vocab_size: int, source: str) -> None:
@@ -79,7 +76,7 @@ def write_weights_only_checkpoint(
     check_tokenizer_fits({field: str(path) for field, path in tokenizer_files.items()}, vocab_size, source)
     cfg = run_config(model_fields, tokenizer, vocab_size)
     converted: Dict[int, torch.Tensor] = {}  # by identity: a tied weight stays one tensor
-    state_dict = {name: converted.setdefault(id(t), t.float().contiguous()) for name, t in state_dict.items()}
+    state_dict = {name: converted.setdefault(id(t), t.contiguous().float()) for name, t in state_dict.items()}
     check_state_dict(cfg, state_dict, vocab_size, source)
     notes = [] if tokenizer_files else [
         f"{source} has no tokenizer files: the checkpoint uses the byte tokenizer; for text in and out, "

@@ -1,5 +1,6 @@
-"""Criterions (losses): the `--criterion` registry, the built-in `cross_entropy` and
-`vocab_parallel_cross_entropy` (tensor-parallel runs).
+"""Criterions (losses): the `--criterion` registry and the built-in `cross_entropy`
+(`vocab_parallel_cross_entropy`, for tensor-parallel runs, is metaseq's
+`metaseq_ds.model_parallel.criterions`).
 
     criterion = build_criterion(cfg.criterion, task)
     loss, sample_size, logging_output = criterion(model, sample)
@@ -22,18 +23,12 @@ def build_criterion(criterion_cfg, task) -> BaseCriterion:
 
 # Built-ins register on import (after the registry exists, which they import).
 from metaseq_ds.criterions.cross_entropy import CrossEntropyCriterion, CrossEntropyCriterionConfig  # noqa: E402
-from metaseq_ds.model_parallel.criterions.vocab_parallel_cross_entropy import (  # noqa: E402
-    VocabParallelCrossEntropyCriterion,
-    VocabParallelCrossEntropyCriterionConfig,
-)
 
 __all__ = [
     "BaseCriterion",
     "CRITERION_REGISTRY",
     "CrossEntropyCriterion",
     "CrossEntropyCriterionConfig",
-    "VocabParallelCrossEntropyCriterion",
-    "VocabParallelCrossEntropyCriterionConfig",
     "build_criterion",
     "register_criterion",
 ]

@@ -12,6 +12,10 @@ class BaseCriterion(nn.Module):
     `padding_idx` is the target dictionary's pad id (-100, torch's ignore index, without one).
     """
 
+    # A criterion that computes its loss from this rank's slice of the vocabulary's logits
+    # (tensor parallelism) sets this: the model then never gathers the logits for it.
+    reads_vocab_parallel_logits = False
+
     def __init__(self, task):
         super().__init__()
         self.task = task
@@ -41,8 +45,16 @@ class BaseCriterion(nn.Module):
 
     def forward(self, model, sample, reduce: bool = True):
         """Return (loss, sample_size, logging_output): the loss summed over the batch, the
-        denominator of the gradient (e.g. number of target tokens), and numbers to log."""
+        denominator of the gradient (`self.sample_size(sample)`), and numbers to log."""
         raise NotImplementedError(f"{type(self).__name__} must define forward")
+
+    def sample_size(self, sample) -> int:
+        """The denominator of the gradient for `sample`: the trainer divides the update's summed
+        loss by the sum of these over all micro-batches and ranks. It must be known before the
+        forward pass (the scale is applied before each micro-batch's backward) and equal the
+        sample_size `forward` returns (checked). Default: the number of target tokens, metaseq's
+        choice for language models; override for a per-sentence loss (`sample["nsentences"]`)."""
+        return sample["ntokens"]
 
     @staticmethod
     def reduce_metrics(logging_outputs: List[Dict[str, Any]]) -> None:

@@ -20,7 +20,7 @@ class CrossEntropyCriterion(BaseCriterion):
         logits = model(**sample["net_input"])[0]  # (B, T, V)
         token_losses = self.token_losses(logits, sample["target"])
         loss = token_losses.sum() if reduce else token_losses
-        sample_size = sample["ntokens"]
+        sample_size = self.sample_size(sample)
         logging_output = {
             # Summed in fp64: an fp32 sum of thousands of token losses is off by ~1e-6 relative,
             # enough to hide whether two runs that split the batch differently agree.

@@ -31,6 +31,18 @@ class MetaseqDataclass:
     def to_dict(self) -> Dict[str, Any]:
         return {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self.__dict__.get("_read_only", False):
+            raise AttributeError(
+                f"{type(self).__name__}.{name}: the config is read-only once validated; set it with its flag, "
+                f"or derive a new config (dataclasses.replace, metaseq_ds.options.resolve)")
+        object.__setattr__(self, name, value)
+
+
+def make_read_only(config: MetaseqDataclass) -> None:
+    """From now on, assigning a field of `config` raises (a validated config is never mutated)."""
+    object.__setattr__(config, "_read_only", True)
+
 
 def _plain(value: Any) -> Any:
     if isinstance(value, Enum):

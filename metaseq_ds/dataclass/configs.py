@@ -36,6 +36,11 @@ class CommonConfig(MetaseqDataclass):
     user_dir: Optional[str] = field(
         default=None, metadata={"help": "a Python package of plugins (models, tasks, ...) to import before parsing"}
     )
+    dry_run: bool = field(
+        default=False,
+        metadata={"help": "print what each rank will hold (weights, gradients, optimizer, activations) for "
+                          "--distributed-world-size ranks and exit; nothing is built or started"},
+    )
     progress_bar: Literal["auto", "rich", "none"] = field(
         default="auto", metadata={"help": "rich progress bar: auto = only when stdout is a terminal"}
     )
@@ -71,7 +76,9 @@ class DistributedTrainingConfig(MetaseqDataclass):
     )
     local_rank: int = field(default=-1, metadata={"help": "set by the deepspeed launcher; not for users"})
     distributed_world_size: Optional[int] = field(
-        default=None, metadata={"help": "metaseq flag; the launcher decides the world size here (a mismatch is an error)"}
+        default=None,
+        metadata={"help": "metaseq flag; the launcher decides the world size here (a mismatch is an error); "
+                          "with --dry-run, the number of ranks to plan for"}
     )
 
 
@@ -86,6 +93,11 @@ class DatasetConfig(MetaseqDataclass):
     disable_validation: bool = field(default=False, metadata={"help": "never validate"})
     max_valid_steps: Optional[int] = field(default=None, metadata={"help": "at most N validation batches per split"})
     data_buffer_size: int = field(default=10, metadata={"help": "metaseq flag; accepted, no effect here"})
+    demo: bool = field(
+        default=False,
+        metadata={"help": "train on the embedded demo corpus (Python's standard library sources, written to "
+                          "data/demo_corpus) with the demo's defaults; what `mseq train` without DATA does"},
+    )
 
 
 @dataclass
@@ -107,7 +119,11 @@ class CheckpointConfig(MetaseqDataclass):
     save_interval_updates: int = field(default=0, metadata={"help": "save every N updates (0: only at epoch ends)"})
     save_interval: int = field(default=1, metadata={"help": "save every N epochs"})
     keep_last_updates: int = field(default=-1, metadata={"help": "keep only the last N update checkpoints (-1: all)"})
-    no_save: bool = field(default=False, metadata={"help": "save no checkpoints"})
+    no_save: bool = field(
+        default=False,
+        metadata={"help": "save no checkpoints, and do not resume from --save-dir's checkpoint_last "
+                          "(an explicit --restore-file is still restored)"},
+    )
     no_epoch_checkpoints: bool = field(default=False, metadata={"help": "no checkpoints at epoch ends"})
     reset_optimizer: bool = field(default=False, metadata={"help": "when restoring, do not load optimizer state"})
     reset_lr_scheduler: bool = field(default=False, metadata={"help": "when restoring, do not load LR scheduler state"})

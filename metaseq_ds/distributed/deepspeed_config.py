@@ -20,7 +20,7 @@ PRESETS = ("zero1", "zero2", "zero3", "zero3_offload")
 
 def load_preset(name_or_path: str) -> Dict[str, Any]:
     if name_or_path in PRESETS:
-        text = importlib.resources.files("metaseq_ds").joinpath("ds_configs", f"{name_or_path}.json").read_text()
+        text = importlib.resources.files("metaseq_ds.ds_configs").joinpath(f"{name_or_path}.json").read_text()
         return json.loads(text)
     path = Path(name_or_path)
     if not path.is_file():
@@ -53,7 +53,7 @@ def build_deepspeed_config(cfg: MetaseqConfig, world_size: int, fp16_supported: 
         fp16, bf16 = False, True
     tp_size = tensor_parallel_size(cfg)
     data_parallel_size = world_size // tp_size  # DeepSpeed's batch arithmetic counts data-parallel ranks
-    zero: Dict[str, Any] = {"stage": resolve_zero_stage(cfg, world_size)}
+    zero: Dict[str, Any] = {"stage": resolve_zero_stage(cfg, world_size), **_bucket_sizes(cfg.model)}
     if dist_cfg.cpu_offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
     derived: Dict[str, Any] = {
@@ -92,6 +92,30 @@ def build_deepspeed_config(cfg: MetaseqConfig, world_size: int, fp16_supported: 
             f"set --model-parallel-size instead (the model is sharded by metaseq_ds's plan, not DeepSpeed's AutoTP)"
         )
     return merged
+
+
+def _bucket_sizes(model_cfg) -> Dict[str, int]:
+    """ZeRO's buffers and working sets sized by the model, so that a rank holds its share plus
+    about one layer (12 d*d parameters for width d), whatever the model's size.
+
+    DeepSpeed's defaults are fixed counts sized for large GPU models (5e8-element communication
+    buckets, 1e9 live gathered parameters, optimizer sub-groups of 1e9 elements whose gradient is
+    copied flat before each step): on a 0.7B model they double a rank's memory. The buckets are
+    Hugging Face's "auto" values (d*d); the live-parameter, reuse-distance and sub-group limits
+    are one layer. Models without a width (plugins) keep DeepSpeed's defaults."""
+    if "decoder_embed_dim" not in model_cfg.__dataclass_fields__:
+        return {}
+    width = model_cfg.decoder_embed_dim
+    layer = 12 * width * width
+    return {
+        "reduce_bucket_size": width * width,
+        "allgather_bucket_size": width * width,
+        "stage3_prefetch_bucket_size": int(0.9 * width * width),
+        "stage3_param_persistence_threshold": 10 * width,
+        "stage3_max_live_parameters": layer,
+        "stage3_max_reuse_distance": layer,
+        "sub_group_size": layer,
+    }
 
 
 def _overlay(derived: Dict[str, Any], preset: Dict[str, Any]) -> Dict[str, Any]:

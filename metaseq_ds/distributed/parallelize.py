@@ -13,9 +13,11 @@ from metaseq_ds.distributed.tensor_parallel import apply_tensor_parallel
 from metaseq_ds.errors import UsageError
 
 
-def parallelize(model: torch.nn.Module, cfg: MetaseqConfig) -> torch.nn.Module:
-    # The vocab-parallel criterion reads the logits' shards; every other consumer needs them whole.
-    reads_shards = getattr(cfg.criterion, "_name", None) == "vocab_parallel_cross_entropy"
+def parallelize(model: torch.nn.Module, cfg: MetaseqConfig, criterion=None) -> torch.nn.Module:
+    """`model` (plain, whole) sharded by the tensor-parallel plan over this process's group, with
+    activation checkpointing if configured. The logits are gathered unless `criterion` (a `BaseCriterion`) reads
+    the vocabulary shards (without a criterion, as in generation, they are gathered)."""
+    reads_shards = criterion is not None and criterion.reads_vocab_parallel_logits
     apply_tensor_parallel(model, gather_logits=not reads_shards)
     if cfg.distributed_training.checkpoint_activations:
         apply_activation_checkpointing(model)

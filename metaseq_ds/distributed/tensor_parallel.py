@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 from metaseq_ds.errors import UsageError
 
 if TYPE_CHECKING:  # torch loads only when a model is sharded: flag checks stay instant
-    import torch
     from torch import nn
 
 TP_PLAN = (
@@ -95,6 +94,11 @@ def partition_dim(param_name: str) -> Optional[int]:
     return None if style is None else PARTITION_DIMS[style].get(leaf)
 
 
+def is_vocabulary_parameter(param_name: str) -> bool:
+    """Whether `param_name` has a row per vocabulary entry (the embedding and output projection)."""
+    return _planned_style(param_name.rpartition(".")[0]) in ("vocab_head", "vocab_embedding")
+
+
 def partition_dims(state_dict_keys) -> Dict[str, int]:
     """The sharded parameters of a checkpoint and their split dimension (its merge metadata)."""
     return {name: dim for name in state_dict_keys if (dim := partition_dim(name)) is not None}
@@ -120,15 +124,6 @@ def merge_shards(shards: List[Dict[str, Any]], dims: Dict[str, int], concat=None
     return merged
 
 
-def local_shards(state_dict: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """This rank's slices of full weights, for a model that is sharded already."""
-    from metaseq_ds.distributed import utils as dist_utils
-
-    size, rank = dist_utils.get_tensor_model_parallel_world_size(), dist_utils.get_tensor_model_parallel_rank()
-    return {name: value if (dim := partition_dim(name)) is None else value.chunk(size, dim=dim)[rank]
-            for name, value in state_dict.items()}
-
-
 def apply_tensor_parallel(model: nn.Module, gather_logits: bool = True) -> nn.Module:
     """Swap the planned modules of `model` for DeepSpeed's tensor-parallel layers, in place.
 
@@ -137,9 +132,6 @@ def apply_tensor_parallel(model: nn.Module, gather_logits: bool = True) -> nn.Mo
     from metaseq_ds.distributed import utils as dist_utils
 
     size = dist_utils.get_tensor_model_parallel_world_size()
-    if getattr(model, "ds_autotp_parsed", False):  # sharded when built (ModelParallelTransformerLanguageModel)
-        model.decoder.output_projection.gather_output = gather_logits
-        return model
     if size <= 1:
         return model
     from deepspeed.module_inject.layers import (
@@ -149,12 +141,13 @@ def apply_tensor_parallel(model: nn.Module, gather_logits: bool = True) -> nn.Mo
         VocabParallelLinear,
         set_autotp_mode,
     )
-    from deepspeed.module_inject.tp_shard import AutoTPMeta
+
+    from metaseq_ds.private_apis import even_split_tp_meta
 
     # Training mode: DeepSpeed's layers then use autograd-safe (not in-place) ops.
     set_autotp_mode(training=True)
     group = dist_utils.get_tensor_model_parallel_group()
-    meta = AutoTPMeta(tp_grain_size=1)  # even splits (divisibility was checked up front)
+    meta = even_split_tp_meta()  # divisibility was checked up front
     decoder = model.decoder
     tied = decoder.output_projection.weight is decoder.embed_tokens.weight
     planned = [(name, module, _planned_style(name)) for name, module in model.named_modules()]

@@ -95,7 +95,6 @@ def build_model(model_cfg, task) -> BaseModel:
 
 # Built-ins register on import (after the registries exist, which they import).
 from metaseq_ds.models.transformer_lm import TransformerLanguageModel, TransformerLanguageModelConfig  # noqa: E402
-from metaseq_ds.model_parallel.models.transformer_lm import ModelParallelTransformerLanguageModel  # noqa: E402
 
 __all__ = [
     "ARCH_CONFIG_REGISTRY",
@@ -108,7 +107,6 @@ __all__ = [
     "IncrementalDecoder",
     "LanguageModel",
     "MODEL_REGISTRY",
-    "ModelParallelTransformerLanguageModel",
     "TransformerLanguageModel",
     "TransformerLanguageModelConfig",
     "arch_defaults",

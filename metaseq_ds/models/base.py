@@ -110,6 +110,22 @@ class BaseModel(nn.Module):
     def max_positions(self) -> Optional[int]:
         return None
 
+    # The seed the parameters were drawn from (see `models.initialization`): a model built on the
+    # meta device keeps it, so that its parameters are materialised with the same values.
+    init_seed: Optional[int] = None
+
+    def reset_parameter(self, name: str, value: torch.Tensor, generator: torch.Generator) -> None:
+        """Fill `value`, the whole (unsharded) parameter `name` (as in `named_parameters()`), with its
+        initial value, drawing only from `generator`. A model that defines this can be built on the
+        meta device and materialised shard by shard, so no rank ever holds all of it; one that does
+        not is built whole on every rank, then sharded (plugins that predate this)."""
+        raise NotImplementedError(f"{type(self).__name__} does not define reset_parameter")
+
+    @classmethod
+    def can_materialize(cls) -> bool:
+        """Whether the model defines `reset_parameter` (and so can be built on the meta device)."""
+        return cls.reset_parameter is not BaseModel.reset_parameter
+
     generation_only = False  # set by make_generation_fast_
 
     def prepare_for_inference_(self, cfg=None) -> None:

@@ -136,7 +136,10 @@ class TransformerDecoder(BaseDecoder):
         self.embed_scale = embed_scale(cfg)
         self.init_std = cfg.init_std
 
-        self.embed_tokens = nn.Embedding(len(dictionary), input_dim, self.padding_idx)
+        # `_weight`: no default initialisation, which `reset_parameter` replaces anyway (and
+        # which, on the meta device, would load torch's compiler stack just to draw nothing).
+        self.embed_tokens = nn.Embedding(len(dictionary), input_dim, self.padding_idx,
+                                         _weight=torch.empty(len(dictionary), input_dim))
         self.project_in = Linear(input_dim, d, bias=False) if input_dim != d else None
         if cfg.no_token_positional_embeddings:
             self.embed_positions = None
@@ -155,8 +158,9 @@ class TransformerDecoder(BaseDecoder):
             self.output_projection.weight = self.embed_tokens.weight
 
     @torch.no_grad()
-    def init_weights(self) -> None:
-        """Initialise every parameter as OPT did (Megatron-LM's scheme, OPT paper section 2.2).
+    def reset_parameter(self, name: str, value: torch.Tensor, generator: torch.Generator) -> None:
+        """Initialise parameter `name` (relative to the decoder) as OPT did (Megatron-LM's scheme,
+        OPT paper section 2.2), into `value`, the whole parameter:
 
         - token embeddings, learned position embeddings and every Linear weight (q/k/v_proj,
           fc1, project_in/out, an untied output_projection): normal(0, init_std), where
@@ -164,24 +168,20 @@ class TransformerDecoder(BaseDecoder):
         - out_proj and fc2, which write into the residual stream: normal(0, init_std / sqrt(2L))
           for L layers, so the residual's variance does not grow with depth;
         - the padding rows of both embeddings: zero (metaseq's Embedding);
-        - biases zero; LayerNorm weight one, bias zero.
-        A tied output_projection is the token embedding and is not drawn twice.
+        - biases zero; LayerNorm weight one.
+        Decided by name, so a tensor-parallel module (DeepSpeed's layers) initialises alike.
         """
-        residual_std = self.init_std / math.sqrt(2 * len(self.layers))
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                if module.weight is self.embed_tokens.weight:
-                    continue
-                std = residual_std if name.endswith(("out_proj", "fc2")) else self.init_std
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=self.init_std)
-                module.weight[module.padding_idx].zero_()
-            elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
-                nn.init.zeros_(module.bias)
+        owner, _, kind = name.rpartition(".")
+        if kind == "bias":
+            value.zero_()
+        elif owner.endswith("layer_norm"):
+            value.fill_(1.0)
+        else:
+            residual = owner.endswith(("out_proj", "fc2"))
+            std = self.init_std / math.sqrt(2 * len(self.layers)) if residual else self.init_std
+            value.normal_(0.0, std, generator=generator)
+            if owner in ("embed_tokens", "embed_positions"):
+                value[self.padding_idx].zero_()
 
     def forward(
         self,

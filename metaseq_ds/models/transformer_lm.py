@@ -11,6 +11,7 @@ from typing import Literal, Optional
 from metaseq_ds.dataclass import MetaseqDataclass
 from metaseq_ds.models import register_architecture_defaults, register_model
 from metaseq_ds.models.base import LanguageModel
+from metaseq_ds.models.initialization import initialization_seed, initialize_parameters
 from metaseq_ds.models.transformer_decoder import TransformerDecoder
 
 
@@ -68,10 +69,15 @@ class TransformerLanguageModel(LanguageModel):
 
     @classmethod
     def build_model(cls, cfg: TransformerLanguageModelConfig, task) -> "TransformerLanguageModel":
-        """Construct and initialise (see `TransformerDecoder.init_weights`); the torch seed decides the weights."""
-        decoder = TransformerDecoder(cfg, task.dictionary)
-        decoder.init_weights()
-        return cls(decoder)
+        """Construct and initialise (`reset_parameter`); the torch seed decides the weights. Under
+        `torch.device("meta")` nothing is allocated or drawn (see `distributed.materialize`)."""
+        seed = initialization_seed()
+        model = cls(TransformerDecoder(cfg, task.dictionary))
+        initialize_parameters(model, seed)
+        return model
+
+    def reset_parameter(self, name: str, value, generator) -> None:
+        self.decoder.reset_parameter(name.removeprefix("decoder."), value, generator)
 
 
 def _fairseq_gpt(embed_dim: int, ffn_dim: int, layers: int, heads: int) -> dict:

@@ -4,7 +4,7 @@
 PyTorch's fp32 CPU matmul calls MKL, whose kernel dispatch favours Intel processors: on this
 project's AMD EPYC it sustains ~170 GFLOP/s where oneDNN (also inside PyTorch, and what
 PyTorch already uses for bf16) reaches ~300-400 at the decoder's shapes. So for fp32 on the
-CPU the forward and both backward products go through `torch.ops.mkldnn._linear_pointwise`
+CPU the forward and both backward products go through oneDNN's linear op (`private_apis.onednn_linear`)
 when there are many rows (training, prompts) or the weight is large (a decoding step through
 the vocabulary projection or a wide FFN, where oneDNN streams the weight from memory ~1.5-3x
 faster than MKL's matrix-vector product); everything else (bf16, CUDA, a few rows through a
@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from metaseq_ds.private_apis import onednn_linear
+
 # Measured on the decoder's shapes (benchmarks/generate.py has the end-to-end figures): from 32
 # rows oneDNN is faster at any size; below, only for weights of 2**20 elements or more, since
 # oneDNN's ~20 us call overhead outweighs its faster reads on smaller ones.
@@ -24,9 +26,7 @@ ONEDNN_MIN_ROWS = 32
 ONEDNN_MIN_WEIGHT = 2**20
 
 
-def _onednn_product(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
-    """x @ weight.T (+ bias) on oneDNN; either operand may be a transposed (strided) view."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+_onednn_product = onednn_linear  # x @ weight.T (+ bias); either operand may be a transposed view
 
 
 class _OneDNNLinear(torch.autograd.Function):
@@ -44,9 +44,11 @@ class _OneDNNLinear(torch.autograd.Function):
             grad_x = _onednn_product(grad, weight.t())  # (N, out) @ (out, in)
         if ctx.needs_input_grad[1]:
             if weight.size(0) >= x.size(0):
-                # Wide outputs (the vocabulary projection): (x^T grad)^T keeps the big gradient
-                # in the layout oneDNN reads without reordering it.
-                grad_weight = _onednn_product(x.t(), grad.t()).t().contiguous()
+                # Wide outputs (the vocabulary projection): one product straight into the
+                # (out, in) gradient. oneDNN would reorder the large grad.t() first, and
+                # computing (x^T grad)^T then copying it holds two vocabulary-sized gradients
+                # at once (measured: no faster at 64-2048 rows on this CPU).
+                grad_weight = torch.mm(grad.t(), x)
             else:
                 grad_weight = _onednn_product(grad.t(), x.t())  # (out, N) @ (N, in)
         if ctx.has_bias and ctx.needs_input_grad[2]:

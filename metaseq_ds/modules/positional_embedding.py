@@ -23,7 +23,9 @@ class LearnedPositionalEmbedding(nn.Embedding):
     """A learned table of `max_positions + padding_idx + 1` rows (OPT: max_positions + 2)."""
 
     def __init__(self, max_positions: int, embedding_dim: int, padding_idx: int):
-        super().__init__(max_positions + padding_idx + 1, embedding_dim, padding_idx)
+        rows = max_positions + padding_idx + 1
+        # `_weight`: left to the model's initialiser (see TransformerDecoder.reset_parameter).
+        super().__init__(rows, embedding_dim, padding_idx, _weight=torch.empty(rows, embedding_dim))
         self.max_positions = max_positions
 
     def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
@@ -48,12 +50,15 @@ class SinusoidalPositionalEmbedding(nn.Module):
 
     @staticmethod
     def table(num_embeddings: int, embedding_dim: int, padding_idx: int) -> torch.Tensor:
+        # Computed on the CPU even while a model is built on the meta device: a buffer has no
+        # initialiser to materialise it later, and the table is the same on every rank.
         half_dim = embedding_dim // 2
-        frequencies = torch.exp(torch.arange(half_dim, dtype=torch.float) * -(math.log(10000) / (half_dim - 1)))
-        angles = torch.arange(num_embeddings, dtype=torch.float)[:, None] * frequencies[None, :]
+        exponents = torch.arange(half_dim, dtype=torch.float, device="cpu")
+        frequencies = torch.exp(exponents * -(math.log(10000) / (half_dim - 1)))
+        angles = torch.arange(num_embeddings, dtype=torch.float, device="cpu")[:, None] * frequencies[None, :]
         table = torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
         if embedding_dim % 2 == 1:
-            table = torch.cat([table, torch.zeros(num_embeddings, 1)], dim=1)
+            table = torch.cat([table, torch.zeros(num_embeddings, 1, device="cpu")], dim=1)
         table[padding_idx, :] = 0
         return table
 

@@ -20,9 +20,10 @@ def share_fp32_master_weights(engine) -> int:
     """
     if engine.zero_optimization_stage() != 3 or engine.zero_cpu_offload():
         return 0
-    zero = engine.optimizer
+    from metaseq_ds.private_apis import zero3_flat_partitions
+
     freed = 0
-    for master, partition in zip(zero.fp32_partitioned_groups_flat, zero.fp16_partitioned_groups_flat):
+    for master, partition in zero3_flat_partitions(engine.optimizer):
         layout = (master.dtype, master.device, master.shape)
         same_layout = layout == (partition.dtype, partition.device, partition.shape)
         if same_layout and master.untyped_storage().data_ptr() != partition.untyped_storage().data_ptr():

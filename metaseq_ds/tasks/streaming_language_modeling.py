@@ -96,11 +96,16 @@ class StreamingLanguageModelingTask(LegacyTask):
         if self.eod is None:
             raise UsageError(f"--end-of-document-symbol {args.end_of_document_symbol!r} is not in the tokenizer's vocabulary")
         self.dictionary = self._build_dictionary(args.final_vocab_size, args.padding_factor)
-        if args.data:
-            self.data_dir = check_data_dir(Path(args.data))
-        else:
-            self.data_dir = build_demo_corpus()
-            logger.info("no DATA given: training on the demo corpus at %s", self.data_dir)
+        self._data_dir = check_data_dir(Path(args.data)) if args.data else None
+
+    @property
+    def data_dir(self) -> Path:
+        """DATA; a task built without one (by a script) reads the demo corpus, built on first use
+        (generation never reads data, so it builds nothing)."""
+        if self._data_dir is None:
+            self._data_dir = build_demo_corpus()
+            logger.info("no DATA given: reading the demo corpus at %s", self._data_dir)
+        return self._data_dir
 
     def _build_dictionary(self, final_vocab_size: Optional[int], padding_factor: int) -> Dictionary:
         """The tokenizer's ids as a Dictionary, padded like metaseq's (50265 -> 50272 for GPT-2)."""

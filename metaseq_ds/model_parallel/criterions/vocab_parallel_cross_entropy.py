@@ -21,6 +21,8 @@ class VocabParallelCrossEntropyCriterionConfig(MetaseqDataclass):
 
 @register_criterion("vocab_parallel_cross_entropy", dataclass=VocabParallelCrossEntropyCriterionConfig)
 class VocabParallelCrossEntropyCriterion(CrossEntropyCriterion):
+    reads_vocab_parallel_logits = True
+
     def token_losses(self, logits, target):
         """`logits` are (B, T, V/N): this rank's slice of the vocabulary."""
         from deepspeed.sequence import vocab_parallel_cross_entropy

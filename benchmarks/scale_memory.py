@@ -1,0 +1,141 @@
+"""Peak RSS per rank while `mseq train`'s pieces build and train a 707M-parameter model, against
+the theory of its model states per rank.
+
+    python -m benchmarks.scale_memory                 # the three layouts below, one after the other
+    python -m benchmarks.scale_memory --layouts zero3 # one of: zero3, tp2_zero1, tp2_dp2_zero3
+
+The model: width 2048, 12 layers, FFN 8192, vocabulary 50272 (706.7M parameters), fp32,
+micro-batch 1, sequence 64. Each layout runs under `deepspeed --num_gpus N` on CPU ranks; each
+rank records its peak RSS (`resource.getrusage`) after construction (the model built on the
+meta device and materialised: `distributed.materialize.build_model`), after the DeepSpeed engine
+is initialised (`Trainer`), after the first `Trainer.train_step` and after two more (ZeRO-3 gathers
+parameters differently once it has traced a step). Theory: 16 bytes a parameter
+(fp32 weights 4 + gradients 4 + Adam's two moments 8) times this rank's share of the parameters:
+
+- zero3          2 ranks, ZeRO-3: N / 2 (everything partitioned over the 2 ranks)
+- tp2_zero1      2 ranks, tensor-parallel 2, ZeRO-1 over a data-parallel group of 1: the TP share
+- tp2_dp2_zero3  4 ranks, tensor-parallel 2 x data-parallel 2, ZeRO-3: N / 4
+
+The acceptance is peak <= 1.25 x theory over the whole run. Peaks include Python, torch and
+DeepSpeed themselves (~0.5 GiB a rank on this machine: printed as the "base" line, the peak of
+a rank that only imported them and joined the process group).
+"""
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+LAYOUTS = {  # name: (ranks, tensor-parallel degree, ZeRO stage)
+    "zero3": (2, 1, 3),
+    "tp2_zero1": (2, 2, 1),
+    "tp2_dp2_zero3": (4, 2, 3),
+}
+MODEL = dict(dim=2048, layers=12, heads=16, ffn=8192, seq=64, batch=1)
+STEPS = 3  # the first step allocates Adam's moments; later ones run ZeRO-3's traced prefetching
+GIB = 2**30
+
+
+def theory_bytes(tp_share: float, data_parallel: int, stage: int) -> float:
+    """fp32 weights 4 + gradients 4 + Adam 8 bytes a parameter of this rank's tensor-parallel
+    share, each divided by the data-parallel size where the ZeRO stage partitions it."""
+    weights = 4 / (data_parallel if stage == 3 else 1)
+    gradients = 4 / (data_parallel if stage >= 2 else 1)
+    adam = 8 / (data_parallel if stage >= 1 else 1)
+    return tp_share * (weights + gradients + adam)
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def worker(args) -> None:
+    """One rank: build, initialise, one step; write its peaks to OUT/rank<r>.json."""
+    import torch
+
+    from benchmarks.train_worker import RandomTokensTask, batches, train_flags
+    from metaseq_ds import criterions
+    from metaseq_ds.distributed import utils as dist_utils
+    from metaseq_ds.distributed.deepspeed_config import build_deepspeed_config
+    from metaseq_ds.distributed.materialize import build_model
+    from metaseq_ds.models.initialization import InitialValues
+    from metaseq_ds.options import parse_train_config
+    from metaseq_ds.trainer import Trainer
+
+    ranks, tp, stage = LAYOUTS[args.layout]
+    run = argparse.Namespace(**MODEL, adam_impl="auto", zero_stage=stage, dtype="fp32")
+    cfg = parse_train_config(train_flags(run) + ["--model-parallel-size", str(tp), "--dropout", "0"])
+    dist_utils.init_distributed(tensor_parallel_size=tp)
+    rank = dist_utils.get_global_rank()
+    peaks = {"base": peak_rss()}
+    torch.manual_seed(cfg.common.seed)
+    task = RandomTokensTask(cfg.task)
+    criterion = criterions.build_criterion(cfg.criterion, task)
+    ds_config = build_deepspeed_config(cfg, ranks, fp16_supported=False)
+    zero3_config = ds_config if stage == 3 else None
+    model = build_model(cfg, task, criterion, lambda m: InitialValues(m, m.init_seed), zero3_config)
+    parameters = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # this rank's TP share
+    peaks["construction"] = peak_rss()
+    trainer = Trainer(cfg, task, model, criterion, ds_config)
+    peaks["engine"] = peak_rss()
+    for step, tokens in enumerate(batches(run, STEPS)):
+        trainer.train_step([{"net_input": {"src_tokens": tokens[:, :-1].contiguous()}, "target": tokens[:, 1:].contiguous(),
+                             "ntokens": tokens[:, 1:].numel(), "nsentences": tokens.size(0)}])
+        peaks["first_step" if step == 0 else f"step_{step + 1}"] = peak_rss()
+    (args.out / f"rank{rank}.json").write_text(json.dumps({"peaks": peaks, "tp_share_parameters": parameters}))
+    dist_utils.barrier()
+
+
+def run_layout(name: str, out: Path) -> dict:
+    ranks, _, _ = LAYOUTS[name]
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port",
+           str(29000 + os.getpid() % 1000), "--module", "benchmarks.scale_memory", "--worker", "--layout", name,
+           "--out", str(out)]
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    started = time.perf_counter()
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    reports = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+    if len(reports) != ranks:
+        raise SystemExit(f"{name}: {len(reports)} of {ranks} ranks reported\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return {"reports": reports, "seconds": time.perf_counter() - started}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--layout", choices=list(LAYOUTS), help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    args, _ = parser.parse_known_args()  # the launcher adds --local_rank
+    if args.worker:
+        worker(args)
+        return
+    total = None
+    print(f"model: width {MODEL['dim']}, {MODEL['layers']} layers, FFN {MODEL['ffn']}, vocab 50272, fp32, "
+          f"batch {MODEL['batch']}, seq {MODEL['seq']}")
+    for name in args.layouts:
+        ranks, tp, stage = LAYOUTS[name]
+        with tempfile.TemporaryDirectory() as folder:
+            measured = run_layout(name, Path(folder))
+        shares = [r["tp_share_parameters"] for r in measured["reports"]]
+        total = total or shares[0] * tp
+        data_parallel = ranks // tp
+        theory = theory_bytes(shares[0], data_parallel, stage)
+        print(f"\n{name}: {ranks} ranks, tensor-parallel {tp}, ZeRO-{stage} ({measured['seconds']:.0f} s)")
+        print(f"  theory: {theory / shares[0]:.0f} B x {shares[0] / 1e6:.1f}M params of the TP share = "
+              f"{theory / GIB:.2f} GiB a rank")
+        for rank, report in enumerate(measured["reports"]):
+            peaks = report["peaks"]
+            line = ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in peaks.items())
+            print(f"  rank {rank}: {line}; whole run {max(peaks.values()) / theory:.2f}x theory")
+    if total:
+        print(f"\nparameters: {total / 1e6:.1f}M")
+
+
+if __name__ == "__main__":
+    main()

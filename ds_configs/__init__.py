@@ -1,0 +1,1 @@
+"""DeepSpeed JSON presets (`--deepspeed-config zero3`, ...), installed as the package `metaseq_ds.ds_configs`."""

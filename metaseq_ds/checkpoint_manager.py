@@ -1,0 +1,264 @@
+"""One owner of `mseq train`'s checkpoints: what a run resumes from, restoring it, saving.
+
+    manager = CheckpointManager(cfg, layout)      # this run's ranks, ZeRO stage, tensor-parallel degree
+    plan = manager.plan()                          # before the model exists: what we resume from, checked
+    cfg = manager.resolve_config(plan)             # with what the checkpoint settles (options.resolve)
+    model = build_model(cfg, task, criterion,       # distributed.materialize: each rank only its part
+                        lambda model: manager.parameter_values(plan, model), zero3_config)
+    ... Trainer (the DeepSpeed engine) ...
+    manager.restore(plan, trainer, epoch_itr)      # engine state, trainer state, data position
+    manager.save(trainer, epoch_itr)               # `checkpoint_last` moves only once every rank wrote
+
+A `ResumePlan` is one of:
+- FRESH: nothing to resume (no checkpoint in --save-dir, or --no-save): the flags' initialisation;
+- EXACT: a checkpoint of this run's layout: DeepSpeed reloads its own state, optimizer included;
+- RESHARD: a checkpoint of another layout (rank count, ZeRO stage, tensor-parallel degree): the
+  consolidated weights, update count, LR schedule, meters and (for the same global micro-batch)
+  the data position; the optimizer restarts (DeepSpeed's universal checkpoints are not wired up);
+- WEIGHTS: weights without training state (`mseq import` output, `--restore-file hf:DIR`):
+  update 0, fresh optimizer and data order.
+
+The files themselves (layout, meta file, consolidation of shards) are `checkpoint_utils`'; the
+trainer's own state is `Trainer.state_dict()`.
+"""
+
+import enum
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, Optional
+
+import torch
+
+from metaseq_ds import checkpoint_utils
+from metaseq_ds.errors import UsageError
+from metaseq_ds.options import RunContext, resolve
+
+logger = logging.getLogger(__name__)
+
+HF_PREFIX = "hf:"
+DEFAULT_RESTORE_FILE = checkpoint_utils.LAST
+# Model fields that may differ between a checkpoint and the run that starts from it.
+TRAINING_ONLY_MODEL_FIELDS = ("dropout", "attention_dropout", "activation_dropout", "init_std")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How a run's (or a checkpoint's) model and optimizer are split over ranks."""
+
+    world_size: int
+    zero_stage: int
+    tensor_parallel_size: int
+
+    @classmethod
+    def of_run(cls, cfg, world_size: int) -> "Layout":
+        from metaseq_ds.distributed.deepspeed_config import build_deepspeed_config
+        from metaseq_ds.distributed.tensor_parallel import tensor_parallel_size
+
+        stage = build_deepspeed_config(cfg, world_size, fp16_supported=True)["zero_optimization"]["stage"]
+        return cls(world_size, stage, tensor_parallel_size(cfg))
+
+    @classmethod
+    def of_checkpoint(cls, meta: Dict[str, Any]) -> "Layout":
+        return cls(meta["world_size"], meta["zero_stage"], meta.get("tensor_parallel_size", 1))
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // self.tensor_parallel_size
+
+    def same_state_as(self, other: "Layout") -> bool:
+        """Whether DeepSpeed's own files of one layout load into the other as they are
+        (ZeRO-0 keeps whole copies, so any rank count of it loads the same files)."""
+        if self.tensor_parallel_size != other.tensor_parallel_size:
+            return False
+        return self == other or self.zero_stage == other.zero_stage == 0
+
+    def __str__(self) -> str:
+        tp = f" (tensor-parallel {self.tensor_parallel_size})" if self.tensor_parallel_size > 1 else ""
+        return f"{self.world_size} rank(s){tp} with ZeRO-{self.zero_stage}"
+
+
+class ResumeKind(enum.Enum):
+    FRESH = "fresh"
+    EXACT = "exact"
+    RESHARD = "reshard"
+    WEIGHTS = "weights"
+
+
+@dataclass(frozen=True)
+class ResumePlan:
+    """What a run starts from (see the module docstring), decided before anything is built."""
+
+    kind: ResumeKind
+    source: str = ""
+    ref: Optional[checkpoint_utils.CheckpointRef] = None
+    meta: Dict[str, Any] = field(default_factory=dict)
+    # WEIGHTS and RESHARD: the weights, each read (lazily) when the model's parameters are made.
+    read_weights: Optional[Callable[[], Dict[str, Any]]] = None
+    # RESHARD: the saved trainer state and data position (DeepSpeed's "client state"), and the
+    # global micro-batch the data position counts in.
+    client_state: Optional[Dict[str, Any]] = None
+    saved_layout: Optional[Layout] = None
+    saved_global_batch: Optional[int] = None
+
+    def run_context(self) -> RunContext:
+        task = self.meta.get("config", {}).get("task", {})
+        return RunContext(restored_padding_factor=task.get("padding_factor"))
+
+
+class CheckpointManager:
+    def __init__(self, cfg, layout: Layout):
+        self.cfg = cfg
+        self.layout = layout
+        self.save_dir = Path(cfg.checkpoint.save_dir)
+        self.saved_update: Optional[int] = None  # the update of the last save (or resume) of this run
+
+    # -- what to resume from ---------------------------------------------------------------------
+
+    def plan(self) -> ResumePlan:
+        """What this run resumes from, checked against its flags before any model is built."""
+        ckpt = self.cfg.checkpoint
+        if ckpt.restore_file.startswith(HF_PREFIX):
+            return self._hf_plan(Path(ckpt.restore_file[len(HF_PREFIX):]))
+        if ckpt.no_save and ckpt.restore_file == DEFAULT_RESTORE_FILE:
+            return ResumePlan(ResumeKind.FRESH)  # a --no-save run never reads --save-dir's state
+        ref = checkpoint_utils.find_checkpoint(ckpt.restore_file, ckpt.save_dir)
+        if ref is None:
+            if ckpt.restore_file != DEFAULT_RESTORE_FILE:
+                raise UsageError(f"--restore-file: no checkpoint at {ckpt.restore_file}")
+            return ResumePlan(ResumeKind.FRESH)
+        meta = ref.meta()
+        # An imported checkpoint names no --arch of ours (its sizes are explicit): compare the model only.
+        arch = meta["config"].get("arch") if meta.get("weights_only") else self.cfg.arch
+        checkpoint_utils.check_compatible(meta, arch, self.cfg.to_dict()["model"], ref.save_dir)
+        read = _reader(ref)
+        if meta.get("weights_only"):
+            return ResumePlan(ResumeKind.WEIGHTS, str(ref.path), ref, meta, read_weights=read)
+        saved = Layout.of_checkpoint(meta)
+        if saved.same_state_as(self.layout):
+            return ResumePlan(ResumeKind.EXACT, str(ref.path), ref, meta)
+        return ResumePlan(
+            ResumeKind.RESHARD, str(ref.path), ref, meta, read_weights=read,
+            client_state=_saved_client_state(ref, saved), saved_layout=saved,
+            saved_global_batch=meta["config"]["dataset"]["batch_size"] * saved.data_parallel_size,
+        )
+
+    def _hf_plan(self, folder: Path) -> ResumePlan:
+        """`--restore-file hf:DIR`: the OPT folder's weights, checked against this run's model flags."""
+        from metaseq_ds.convert.hf_import import read_hf_model
+        from metaseq_ds.options import flag
+
+        fields, state_dict = read_hf_model(folder)
+        for name, value in fields.items():
+            ours = getattr(self.cfg.model, name)
+            if name in TRAINING_ONLY_MODEL_FIELDS or ours == value:
+                continue
+            if isinstance(value, bool):
+                hint = flag(name) if value else f"no {flag(name)}"
+            else:
+                hint = f"{flag(name)} {value}" if value is not None else f"no {flag(name)}"
+            raise UsageError(f"--restore-file hf:{folder}: the model has {name}={value!r}, this run {ours!r} (use {hint})")
+        return ResumePlan(ResumeKind.WEIGHTS, f"hf:{folder}", read_weights=lambda: state_dict)
+
+    def resolve_config(self, plan: ResumePlan):
+        """The run's config with what the plan's checkpoint settles (`options.resolve`): the
+        config the run uses, and the one its saves record."""
+        self.cfg = resolve(self.cfg, plan.run_context())
+        return self.cfg
+
+    # -- restoring -------------------------------------------------------------------------------
+
+    def parameter_values(self, plan: ResumePlan, model: torch.nn.Module):
+        """Where the model's parameters get their values (`distributed.materialize`): the saved
+        weights (WEIGHTS, RESHARD: read tensor by tensor, each rank only its part), else the
+        model's initial values (FRESH, EXACT: DeepSpeed then loads its own state). None for a
+        model built whole with nothing to load (its constructor initialised it)."""
+        from metaseq_ds.models.initialization import InitialValues
+
+        initial = InitialValues(model, model.init_seed) if model.init_seed is not None else None
+        if plan.read_weights is None:
+            return initial
+        return checkpoint_utils.CheckpointValues(plan.read_weights(), f"--restore-file {plan.source}", initial)
+
+    def restore(self, plan: ResumePlan, trainer, epoch_itr) -> None:
+        """The training state the plan carries, into the engine, the trainer and the data iterator."""
+        from metaseq_ds.distributed import utils as dist_utils
+
+        ckpt = self.cfg.checkpoint
+        if plan.kind is ResumeKind.FRESH:
+            return
+        if plan.kind is ResumeKind.WEIGHTS:
+            logger.info(f"started from the weights of {plan.source} (update 0, fresh optimizer and data order)")
+            return
+        if plan.kind is ResumeKind.EXACT:
+            load_optimizer = not ckpt.reset_optimizer
+            _, client_state = trainer.engine.load_checkpoint(
+                str(plan.ref.save_dir), tag=plan.ref.tag, load_optimizer_states=load_optimizer,
+                load_lr_scheduler_states=False, load_module_only=not load_optimizer,
+            )
+            trainer.load_state_dict(client_state)
+            if not ckpt.reset_dataloader:
+                epoch_itr.load_state_dict(client_state["iterator"])
+            dist_utils.barrier()
+            logger.info(f"resumed from {plan.ref.path} at update {trainer.num_updates}")
+        else:
+            self._restore_resharded(plan, trainer, epoch_itr)
+        self.saved_update = trainer.num_updates
+
+    def _restore_resharded(self, plan: ResumePlan, trainer, epoch_itr) -> None:
+        trainer.load_state_dict(plan.client_state)
+        global_batch = self.cfg.dataset.batch_size * self.layout.data_parallel_size
+        iterator = plan.client_state["iterator"]
+        if global_batch != plan.saved_global_batch:
+            logger.warning(f"global micro-batch {global_batch} differs from the saved {plan.saved_global_batch}: "
+                           f"epoch {iterator['epoch']} restarts from its first batch")
+            iterator = {"epoch": iterator["epoch"], "iterations_in_epoch": 0}
+        if not self.cfg.checkpoint.reset_dataloader:
+            epoch_itr.load_state_dict(iterator)
+        logger.warning(f"resharded {plan.source} (saved by {plan.saved_layout}, now {self.layout}): weights, "
+                       f"update {trainer.num_updates}, LR schedule and meters restored; optimizer state was "
+                       f"reset (Adam moments restart)")
+
+    # -- saving ----------------------------------------------------------------------------------
+
+    def save(self, trainer, epoch_itr) -> None:
+        """A checkpoint of every rank's state; `checkpoint_last` points at it once all ranks wrote."""
+        from metaseq_ds.distributed import utils as dist_utils
+
+        if self.cfg.checkpoint.no_save:
+            return
+        self.save_dir.mkdir(parents=True, exist_ok=True)
+        ref = checkpoint_utils.CheckpointRef(self.save_dir, checkpoint_utils.tag_for(epoch_itr.epoch, trainer.num_updates))
+        client_state = {**trainer.state_dict(), "iterator": epoch_itr.state_dict()}
+        trainer.engine.save_checkpoint(str(self.save_dir), tag=ref.tag, client_state=client_state, save_latest=False)
+        dist_utils.barrier()  # every rank's shards are on disk before the save counts
+        if dist_utils.is_master():
+            checkpoint_utils.write_meta(ref, {
+                "config": self.cfg.to_dict(), "num_updates": trainer.num_updates, "epoch": epoch_itr.epoch,
+                "world_size": self.layout.world_size, "zero_stage": trainer.zero_stage,
+                **checkpoint_utils.tensor_parallel_meta(trainer.engine.module, self.layout.tensor_parallel_size),
+            })
+            checkpoint_utils.mark_last(ref)
+            checkpoint_utils.remove_old_checkpoints(self.save_dir, self.cfg.checkpoint.keep_last_updates, ref.tag)
+            logger.info(f"saved checkpoint {ref.path} (update {trainer.num_updates})")
+        dist_utils.barrier()
+        self.saved_update = trainer.num_updates
+
+    def save_at_end(self, trainer, epoch_itr) -> None:
+        """The final save, unless this update is saved already in --save-dir."""
+        if self.saved_update == trainer.num_updates and (self.save_dir / checkpoint_utils.LAST).is_file():
+            return
+        self.save(trainer, epoch_itr)
+
+
+def _reader(ref: checkpoint_utils.CheckpointRef) -> Callable[[], Dict[str, Any]]:
+    return lambda: checkpoint_utils.lazy_model_weights(ref)
+
+
+def _saved_client_state(ref: checkpoint_utils.CheckpointRef, saved: Layout) -> Dict[str, Any]:
+    """The trainer state and data position a save holds (rank 0's copy: every rank saved the same)."""
+    from metaseq_ds.distributed.safe_checkpoint_loading import safe_load
+
+    states_file = "zero_pp_rank_0_mp_rank_00_model_states.pt" if saved.zero_stage == 3 else "mp_rank_00_model_states.pt"
+    states = safe_load(ref.path / states_file, map_location="cpu", mmap=True)
+    return {key: states[key] for key in ("num_updates", "lr_scheduler", "metrics", "rng", "iterator")}

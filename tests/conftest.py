@@ -1,0 +1,46 @@
+"""Every test runs in an empty working directory and HOME of its own (the subprocesses it starts too).
+
+`mseq train`'s defaults are relative to the working directory (`--save-dir checkpoints`, the demo's
+`data/demo_corpus`) and caches default to HOME: run from a checkout where the README's demo ran, a
+test would resume or refuse the demo's checkpoints, and any test could write into the checkout or
+the user's home. Module-scoped fixtures run before a test's own fixtures, so the session gets one
+isolated directory and HOME first, then each test gets its own.
+
+What must not move is pinned to its real location before HOME changes: DeepSpeed's JIT-built ops
+(`TORCH_EXTENSIONS_DIR`, 54-113 s to rebuild) and the user site-packages (where a `pip install
+--user` put this package for the subprocesses).
+"""
+
+import os
+import site
+from pathlib import Path
+
+import pytest
+
+# Unset, they fall back to HOME: a caller's values could point into the real home.
+XDG_DIRS = ("XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_STATE_HOME")
+
+
+def _isolate(patch: pytest.MonkeyPatch, root: Path) -> None:
+    (root / "home").mkdir()
+    (root / "cwd").mkdir()
+    patch.setenv("HOME", str(root / "home"))
+    for name in XDG_DIRS:
+        patch.delenv(name, raising=False)
+    patch.chdir(root / "cwd")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _isolated_session(tmp_path_factory):
+    from torch.utils.cpp_extension import get_default_build_root
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+        patch.setenv("PYTHONUSERBASE", site.getuserbase())
+        _isolate(patch, tmp_path_factory.mktemp("session_env"))
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _isolated_test(tmp_path_factory, monkeypatch):
+    _isolate(monkeypatch, tmp_path_factory.mktemp("test_env"))
