@@ -264,7 +264,9 @@ def step_only(flags: List[str]) -> None:
 
     from metaseq_ds import tasks
     from metaseq_ds.distributed import utils as dist_utils
-    from metaseq_ds.distributed.parallelize import parallelize
+    from metaseq_ds.distributed.deepspeed_config import build_deepspeed_config
+    from metaseq_ds.distributed.materialize import build_model
+    from metaseq_ds.models.initialization import InitialValues
     from metaseq_ds.options import parse_train_config
     from metaseq_ds.trainer import Trainer
 
@@ -272,8 +274,10 @@ def step_only(flags: List[str]) -> None:
     dist_utils.init_distributed(cfg.distributed_training.distributed_port)
     torch.manual_seed(cfg.common.seed)
     task = tasks.setup_task(cfg.task)
-    model = parallelize(task.build_model(cfg.model), cfg)
-    trainer = Trainer(cfg, task, model, task.build_criterion(cfg.criterion))
+    criterion = task.build_criterion(cfg.criterion)
+    ds_config = build_deepspeed_config(cfg, 1, fp16_supported=False)
+    model = build_model(cfg, task, criterion, lambda model: InitialValues(model, model.init_seed), None)
+    trainer = Trainer(cfg, task, model, criterion, ds_config)
     itr = task.get_batch_iterator("train", batch_size=cfg.dataset.batch_size, seed=cfg.common.seed).next_epoch_itr()
     batches = [next(itr) for _ in range(cfg.optimization.max_update)]
     interval, wps = cfg.common.log_interval, []
