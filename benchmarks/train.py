@@ -97,9 +97,6 @@ def run_pair(ranks: int, dtype: str, args) -> Dict[str, List[dict]]:
                 wait_for(folder / f"{side}.rank{rank}.json", side, procs, folder)
         for proc in procs.values():
             proc.wait()  # the results are in; a launcher's exit code is not (DEEPSPEED_CPU.md)
-        for port in ports.values():  # DeepSpeed leaves its CPU all-reduce buffers (~66 MB a rank)
-            for leftover in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
-                leftover.unlink(missing_ok=True)
         return {side: [json.loads((folder / f"{side}.rank{r}.json").read_text()) for r in range(ranks)]
                 for side in SIDES}
 

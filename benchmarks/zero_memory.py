@@ -3,7 +3,7 @@
 Model states are what ZeRO partitions: the parameters (in the training dtype), their
 gradients, the fp32 master weights and the optimizer's moments. Each storage is counted once
 (fp32 master weights that are the parameter partitions themselves, as after
-`metaseq_ds.optim.zero3_master_weights.share_fp32_master_weights`, add nothing), after a step,
+`metaseq_ds.optim.fp32_master_weights.share_fp32_master_weights`, add nothing), after a step,
 when the gathered full parameters have been released again.
 """
 

@@ -12,9 +12,10 @@
 A `ResumePlan` is one of:
 - FRESH: nothing to resume (no checkpoint in --save-dir, or --no-save): the flags' initialisation;
 - EXACT: a checkpoint of this run's layout: DeepSpeed reloads its own state, optimizer included;
-- RESHARD: a checkpoint of another layout (rank count, ZeRO stage, tensor-parallel degree): the
-  consolidated weights, update count, LR schedule, meters and (for the same global micro-batch)
-  the data position; the optimizer restarts (DeepSpeed's universal checkpoints are not wired up);
+- RESHARD: a checkpoint of another layout (rank count, ZeRO stage, tensor-parallel degree,
+  precision), or a consolidated one (`mseq reshard`): the weights, the fp32 master weights, Adam's
+  moments and step (`optimizer_state`), the update count, LR schedule, meters and the data
+  position, so the next updates are those of an unbroken run on the new layout;
 - WEIGHTS: weights without training state (`mseq import` output, `--restore-file hf:DIR`):
   update 0, fresh optimizer and data order.
 
@@ -49,18 +50,24 @@ class Layout:
     world_size: int
     zero_stage: int
     tensor_parallel_size: int
+    precision: str = "fp32"  # "fp32", "bf16" or "fp16": the parameters' dtype (master weights are fp32)
 
     @classmethod
     def of_run(cls, cfg, world_size: int) -> "Layout":
         from metaseq_ds.distributed.deepspeed_config import build_deepspeed_config
         from metaseq_ds.distributed.tensor_parallel import tensor_parallel_size
 
-        stage = build_deepspeed_config(cfg, world_size, fp16_supported=True)["zero_optimization"]["stage"]
-        return cls(world_size, stage, tensor_parallel_size(cfg))
+        import deepspeed
+
+        ds_config = build_deepspeed_config(cfg, world_size, fp16_supported=deepspeed.get_accelerator().is_fp16_supported())
+        return cls(world_size, ds_config["zero_optimization"]["stage"], tensor_parallel_size(cfg), _precision(ds_config))
 
     @classmethod
     def of_checkpoint(cls, meta: Dict[str, Any]) -> "Layout":
-        return cls(meta["world_size"], meta["zero_stage"], meta.get("tensor_parallel_size", 1))
+        common = meta["config"].get("common", {})
+        # Saves before the precision was recorded: the flags (fp16 fell back to bf16 on a CPU).
+        precision = meta.get("precision") or ("bf16" if common.get("bf16") or common.get("fp16") else "fp32")
+        return cls(meta["world_size"], meta["zero_stage"], meta.get("tensor_parallel_size", 1), precision)
 
     @property
     def data_parallel_size(self) -> int:
@@ -69,13 +76,14 @@ class Layout:
     def same_state_as(self, other: "Layout") -> bool:
         """Whether DeepSpeed's own files of one layout load into the other as they are
         (ZeRO-0 keeps whole copies, so any rank count of it loads the same files)."""
-        if self.tensor_parallel_size != other.tensor_parallel_size:
+        if (self.tensor_parallel_size, self.precision) != (other.tensor_parallel_size, other.precision):
             return False
         return self == other or self.zero_stage == other.zero_stage == 0
 
     def __str__(self) -> str:
         tp = f" (tensor-parallel {self.tensor_parallel_size})" if self.tensor_parallel_size > 1 else ""
-        return f"{self.world_size} rank(s){tp} with ZeRO-{self.zero_stage}"
+        precision = f" in {self.precision}" if self.precision != "fp32" else ""
+        return f"{self.world_size} rank(s){tp} with ZeRO-{self.zero_stage}{precision}"
 
 
 class ResumeKind(enum.Enum):
@@ -135,13 +143,16 @@ class CheckpointManager:
         if meta.get("weights_only"):
             return ResumePlan(ResumeKind.WEIGHTS, str(ref.path), ref, meta, read_weights=read)
         saved = Layout.of_checkpoint(meta)
-        if saved.same_state_as(self.layout):
+        if saved.same_state_as(self.layout) and not meta.get("consolidated"):
             return ResumePlan(ResumeKind.EXACT, str(ref.path), ref, meta)
-        return ResumePlan(
+        plan = ResumePlan(
             ResumeKind.RESHARD, str(ref.path), ref, meta, read_weights=read,
-            client_state=_saved_client_state(ref, saved), saved_layout=saved,
+            client_state=saved_client_state(ref, saved, meta), saved_layout=saved,
             saved_global_batch=meta["config"]["dataset"]["batch_size"] * saved.data_parallel_size,
         )
+        if not ckpt.reset_dataloader:
+            self._data_position(plan)  # a position this layout cannot continue from stops here
+        return plan
 
     def _hf_plan(self, folder: Path) -> ResumePlan:
         """`--restore-file hf:DIR`: the OPT folder's weights, checked against this run's model flags."""
@@ -205,19 +216,40 @@ class CheckpointManager:
             self._restore_resharded(plan, trainer, epoch_itr)
         self.saved_update = trainer.num_updates
 
-    def _restore_resharded(self, plan: ResumePlan, trainer, epoch_itr) -> None:
-        trainer.load_state_dict(plan.client_state)
+    def _data_position(self, plan: ResumePlan) -> Dict[str, int]:
+        """The saved data position in this run's micro-batches.
+
+        The sample stream of an epoch does not depend on the layout (`data.iterators`): a position
+        is a number of samples read, so any split of the global micro-batch continues at the same
+        sample. A count of samples this run's global micro-batch does not divide is refused."""
+        saved = plan.client_state["iterator"]
+        samples = saved["iterations_in_epoch"] * plan.saved_global_batch
         global_batch = self.cfg.dataset.batch_size * self.layout.data_parallel_size
-        iterator = plan.client_state["iterator"]
-        if global_batch != plan.saved_global_batch:
-            logger.warning(f"global micro-batch {global_batch} differs from the saved {plan.saved_global_batch}: "
-                           f"epoch {iterator['epoch']} restarts from its first batch")
-            iterator = {"epoch": iterator["epoch"], "iterations_in_epoch": 0}
+        if samples % global_batch:
+            raise UsageError(
+                f"--batch-size {self.cfg.dataset.batch_size} x {self.layout.data_parallel_size} data-parallel rank(s) = "
+                f"{global_batch} samples per micro-batch does not divide the {samples} samples {plan.source} has read "
+                f"of epoch {saved['epoch']} (it ran {plan.saved_global_batch} per micro-batch): keep --batch-size x "
+                f"data-parallel ranks a divisor of {samples}, or give --reset-dataloader")
+        return {"epoch": saved["epoch"], "iterations_in_epoch": samples // global_batch}
+
+    def _restore_resharded(self, plan: ResumePlan, trainer, epoch_itr) -> None:
+        from metaseq_ds.optimizer_state import read_optimizer_state, restore_optimizer_state
+
+        trainer.load_state_dict(plan.client_state)
         if not self.cfg.checkpoint.reset_dataloader:
-            epoch_itr.load_state_dict(iterator)
-        logger.warning(f"resharded {plan.source} (saved by {plan.saved_layout}, now {self.layout}): weights, "
-                       f"update {trainer.num_updates}, LR schedule and meters restored; optimizer state was "
-                       f"reset (Adam moments restart)")
+            epoch_itr.load_state_dict(self._data_position(plan))
+        carried = "weights"
+        if self.cfg.checkpoint.reset_optimizer:
+            carried += " (--reset-optimizer: Adam restarts)"
+        else:
+            saved = read_optimizer_state(plan.ref)
+            if saved is None:
+                carried += " (the save holds no optimizer state: Adam restarts)"
+            elif restore_optimizer_state(trainer, saved):
+                carried += f", fp32 master weights, Adam moments and step {saved.step}"
+        logger.warning(f"resharded {plan.source} (saved by {plan.saved_layout}, now {self.layout}): {carried}, "
+                       f"update {trainer.num_updates}, LR schedule, meters and data position restored")
 
     # -- saving ----------------------------------------------------------------------------------
 
@@ -235,7 +267,7 @@ class CheckpointManager:
         if dist_utils.is_master():
             checkpoint_utils.write_meta(ref, {
                 "config": self.cfg.to_dict(), "num_updates": trainer.num_updates, "epoch": epoch_itr.epoch,
-                "world_size": self.layout.world_size, "zero_stage": trainer.zero_stage,
+                "world_size": self.layout.world_size, "zero_stage": trainer.zero_stage, "precision": self.layout.precision,
                 **checkpoint_utils.tensor_parallel_meta(trainer.engine.module, self.layout.tensor_parallel_size),
             })
             checkpoint_utils.mark_last(ref)
@@ -255,10 +287,18 @@ def _reader(ref: checkpoint_utils.CheckpointRef) -> Callable[[], Dict[str, Any]]
     return lambda: checkpoint_utils.lazy_model_weights(ref)
 
 
-def _saved_client_state(ref: checkpoint_utils.CheckpointRef, saved: Layout) -> Dict[str, Any]:
+def _precision(ds_config: Dict[str, Any]) -> str:
+    return "bf16" if ds_config["bf16"]["enabled"] else "fp16" if ds_config["fp16"]["enabled"] else "fp32"
+
+
+def saved_client_state(ref: checkpoint_utils.CheckpointRef, saved: Layout, meta: Dict[str, Any]) -> Dict[str, Any]:
     """The trainer state and data position a save holds (rank 0's copy: every rank saved the same)."""
     from metaseq_ds.distributed.safe_checkpoint_loading import safe_load
 
+    if meta.get("consolidated"):
+        from metaseq_ds.reshard import CLIENT_STATE
+
+        return safe_load(ref.path / CLIENT_STATE, map_location="cpu")
     states_file = "zero_pp_rank_0_mp_rank_00_model_states.pt" if saved.zero_stage == 3 else "mp_rank_00_model_states.pt"
     states = safe_load(ref.path / states_file, map_location="cpu", mmap=True)
     return {key: states[key] for key in ("num_updates", "lr_scheduler", "metrics", "rng", "iterator")}

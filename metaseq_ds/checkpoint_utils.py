@@ -9,8 +9,11 @@ Layout of `--save-dir`:
 crash during a save leaves the previous checkpoint as the one that resumes.
 """
 
+import ctypes
+import functools
 import json
 import logging
+import mmap
 import os
 import shutil
 from dataclasses import dataclass
@@ -145,9 +148,14 @@ def lazy_model_weights(ref: CheckpointRef) -> Dict[str, Any]:
     converts one tensor at a time never holds two copies of the model. Tied weights are the
     same object under both names. Values keep their saved dtype (a bf16 run's module is bf16,
     ZeRO's master weights are fp32). A tensor-parallel save is merged by its partition
-    metadata: each sharded tensor is the concatenation of its ranks' shards.
+    metadata: each sharded tensor is the concatenation of its ranks' shards. A consolidated
+    checkpoint (`mseq reshard`) holds whole tensors already.
     """
     meta = ref.meta()
+    if meta.get("consolidated"):  # `mseq reshard` output: whole fp32 master weights
+        from metaseq_ds.reshard import consolidated_values
+
+        return consolidated_values(ref, "fp32")
     size = meta.get("tensor_parallel_size", 1)
     parts = [_tensor_parallel_part(ref, meta["zero_stage"], tp_rank) for tp_rank in range(size)]
     if size == 1:
@@ -197,12 +205,23 @@ class CheckpointValues:
         self.weights, self.source, self.initial = weights, source, initial
 
     def shard(self, name: str, full_shape, dim: Optional[int], rank: int, size: int) -> torch.Tensor:
-        from metaseq_ds.distributed.tensor_parallel import is_vocabulary_parameter
-
         saved = self.weights.get(name)
         if saved is None:
             raise UsageError(f"{self.source}: weight {name!r} is missing (a checkpoint of another model?)")
-        full_shape, saved_shape = tuple(full_shape), tuple(saved.shape)
+        value = self._part_of(saved, name, tuple(full_shape), dim, rank, size)
+        # The part must not live in the checkpoint's file mapping (a parameter would keep those
+        # pages in memory), and the pages read to make it are let go at once: only the rank's
+        # parts accumulate, whatever the saved layout (a row-parallel slice reads every page).
+        if file_mapped(value):
+            value = value.clone()
+        for tensor in saved.parts if isinstance(saved, LazyConcat) else [saved]:
+            release_file_pages(tensor)
+        return value
+
+    def _part_of(self, saved, name: str, full_shape, dim: Optional[int], rank: int, size: int) -> torch.Tensor:
+        from metaseq_ds.distributed.tensor_parallel import is_vocabulary_parameter
+
+        saved_shape = tuple(saved.shape)
         if saved_shape == full_shape:
             if isinstance(saved, LazyConcat) and dim == saved.dim and len(saved.parts) == size:
                 return saved.parts[rank].contiguous().float()  # saved at this tensor-parallel degree
@@ -219,6 +238,44 @@ class CheckpointValues:
         unused = sorted(set(self.weights) - set(parameter_names))
         if unused:
             raise UsageError(f"{self.source}: weight {unused[0]!r} has no place in this model")
+
+
+def file_mapped(tensor: Any) -> bool:
+    """Whether `tensor`'s memory is a memory-mapped file's (`torch.load(mmap=True)`): torch does
+    not say (`UntypedStorage.filename` is None for those), the process's memory map does."""
+    if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
+        return False
+    address = tensor.data_ptr()
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                start, end = (int(bound, 16) for bound in fields[0].split("-"))
+                if start <= address < end:
+                    return len(fields) == 6 and fields[5].startswith("/")  # a path, not [heap] or anonymous
+    except OSError:  # no /proc (not Linux): parts may stay in the mapping, nothing is released
+        pass
+    return False
+
+
+def release_file_pages(tensor: Any) -> None:
+    """Drop the pages of a file-mapped, never written `tensor` from this process's memory
+    (madvise MADV_DONTNEED; they are read from the file again if touched). Other tensors are
+    left alone: on anonymous memory that call would zero them."""
+    if not file_mapped(tensor):
+        return
+    page = mmap.PAGESIZE
+    start = tensor.data_ptr() // page * page
+    end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
+    _libc().madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
+
+
+MADV_DONTNEED = 4  # Linux
+
+
+@functools.lru_cache(maxsize=None)
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def _part(value: torch.Tensor, dim: Optional[int], rank: int, size: int) -> torch.Tensor:

@@ -16,10 +16,10 @@ imports pydantic only: `mseq --help` reads it without torch.
 
 from typing import Any, Callable, Mapping, Optional, Tuple, Union
 
-import annotated_types
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from metaseq_ds.dataclass import constraints
 from metaseq_ds.errors import UsageError
 
 Namer = Callable[[str], str]
@@ -126,24 +126,7 @@ class GenerationOptions(BaseModel):
 
 def allowed_range(field: str) -> Optional[str]:
     """'>= 0', 'in (0, 1]', ... from the field's constraints; None when any value goes."""
-    lower = upper = None
-    for constraint in GenerationOptions.model_fields[field].metadata:
-        if isinstance(constraint, annotated_types.Ge):
-            lower = ("[", ">=", constraint.ge)
-        elif isinstance(constraint, annotated_types.Gt):
-            lower = ("(", ">", constraint.gt)
-        elif isinstance(constraint, annotated_types.Le):
-            upper = ("]", "<=", constraint.le)
-        elif isinstance(constraint, annotated_types.Lt):
-            upper = (")", "<", constraint.lt)
-    if lower and upper:
-        return f"in {lower[0]}{_number(lower[2])}, {_number(upper[2])}{upper[0]}"
-    bound = lower or upper
-    return f"{bound[1]} {_number(bound[2])}" if bound else None
-
-
-def _number(value) -> str:
-    return "2**63" if value == 2**63 else str(value)  # the seed's bound reads better than its 19 digits
+    return constraints.allowed_range(GenerationOptions.model_fields[field].metadata)
 
 
 def explain(error: ValidationError, name: Namer = str) -> OptionError:
@@ -159,8 +142,9 @@ def explain(error: ValidationError, name: Namer = str) -> OptionError:
     got = problem["input"]
     if kind == "extra_forbidden":
         return OptionError(f"{where} is not a generation option", field)
-    if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
-        return OptionError(f"{where} must be {allowed_range(field)}, got {got!r}", field)
+    if kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number"):
+        return OptionError(constraints.out_of_range(where, GenerationOptions.model_fields[field].metadata, got,
+                                                    finite=kind == "finite_number"), field)
     if kind == "value_error":
         return OptionError(f"{where}: {context['error']}", field)
     message = problem["msg"]

@@ -22,9 +22,10 @@ import math
 import typing
 import warnings
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from metaseq_ds.dataclass import COMPONENT_SECTIONS, FIXED_SECTIONS, MetaseqConfig, make_read_only, validate_config
+from metaseq_ds.dataclass.constraints import describe_range, field_types, plain_type, strip_optional
 from metaseq_ds.errors import UsageError
 from metaseq_ds.registry import Registry, closest
 
@@ -106,8 +107,8 @@ class TrainArgumentParser:
     """Two passes, as fairseq's: find the components (and plugins), then parse their flags."""
 
     def __init__(self, argv: Sequence[str]):
-        self.argv = list(argv)
-        pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+        self.argv = _negative_values_attached(argv)
+        pre = _ArgumentParser(add_help=False, allow_abbrev=False)
         pre.add_argument("--config")
         pre.add_argument("--user-dir")
         for name in DEFAULT_COMPONENTS:
@@ -134,7 +135,7 @@ class TrainArgumentParser:
         self.parser, self.owner = self._build_parser()
 
     def _build_parser(self) -> Tuple[argparse.ArgumentParser, Dict[str, str]]:
-        parser = argparse.ArgumentParser(
+        parser = _ArgumentParser(
             prog="mseq train",
             description="Train an OPT-style language model on DeepSpeed (metaseq's flags).",
             argument_default=argparse.SUPPRESS,
@@ -192,6 +193,35 @@ class TrainArgumentParser:
 
     def format_help(self) -> str:
         return self.parser.format_help()
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse, whose own errors ("expected one argument") become one UsageError line too."""
+
+    def error(self, message: str):
+        raise UsageError(message)
+
+
+def _negative_values_attached(argv: Sequence[str]) -> List[str]:
+    """`--lr -1e-3` as `--lr=-1e-3`: argparse takes '-1e-3' or '-inf' for a flag (only '-1' and
+    '-0.5' look like numbers to it), so a value out of range would not even reach the check."""
+    out: List[str] = []
+    for token in argv:
+        if out and out[-1].startswith("--") and out[-1] != "--" and "=" not in out[-1] and _is_negative_number(token):
+            out[-1] += "=" + token
+        else:
+            out.append(token)
+    return out
+
+
+def _is_negative_number(token: str) -> bool:
+    if not token.startswith("-"):
+        return False
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
 
 
 def section_classes(choice: Mapping[str, str]) -> Dict[str, type]:
@@ -267,9 +297,10 @@ def _read_only(cfg: MetaseqConfig) -> MetaseqConfig:
 
 def _section_values(cls: type, explicit: Dict[str, Any], resolved: Dict[str, Any]) -> Dict[str, Any]:
     values = {}
+    types = field_types(cls)
     for f in dataclasses.fields(cls):
         if f.name in explicit:
-            values[f.name] = _from_text(explicit[f.name], f.type, f.name)
+            values[f.name] = _from_text(explicit[f.name], types[f.name])
         else:  # a shared field takes the resolved value of the fixed section that owns the name
             for section in FIXED_SECTIONS:
                 if section in resolved and f.name in resolved[section].__dataclass_fields__:
@@ -278,13 +309,13 @@ def _section_values(cls: type, explicit: Dict[str, Any], resolved: Dict[str, Any
     return values
 
 
-def _from_text(value: Any, annotation: Any, name: str) -> Any:
+def _from_text(value: Any, annotation: Any) -> Any:
     """Command-line strings for tuples/lists/None become Python values; pydantic does the rest."""
     if not isinstance(value, str):
         return value
-    base = _strip_optional(annotation)
-    if value in ("None", "none") and base is not annotation:
+    if value in ("None", "none") and strip_optional(annotation) is not annotation:
         return None
+    base = plain_type(annotation)
     if typing.get_origin(base) in (tuple, list, typing.Tuple, typing.List) or base in (tuple, list):
         try:
             parsed = ast.literal_eval(value)
@@ -294,14 +325,6 @@ def _from_text(value: Any, annotation: Any, name: str) -> Any:
     return value
 
 
-def _strip_optional(annotation: Any) -> Any:
-    if typing.get_origin(annotation) is typing.Union:
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return annotation
-
-
 def _add_field_argument(group, f: dataclasses.Field, cls: type) -> None:
     names = [flag(f.name)]
     if f.name == "local_rank":  # the deepspeed launcher passes --local_rank=N
@@ -309,8 +332,8 @@ def _add_field_argument(group, f: dataclasses.Field, cls: type) -> None:
     if f.name == "data" and cls.__name__ != "DatasetConfig":
         group.add_argument("data", nargs="?", help=f.metadata.get("help", ""))
         return
-    help_text = f.metadata.get("help", "")
-    annotation = _strip_optional(f.type) if not isinstance(f.type, str) else f.type
+    help_text = f.metadata.get("help", "") + describe_range(cls, f.name)
+    annotation = plain_type(field_types(cls)[f.name])
     if annotation is bool:
         group.add_argument(*names, action="store_true", help=help_text)
         return
@@ -333,6 +356,9 @@ def derive(cfg: MetaseqConfig) -> MetaseqConfig:
     if "max_target_positions" in model.__dataclass_fields__ and model.max_target_positions is None:
         changes["model"]["max_target_positions"] = task.tokens_per_sample
     if "total_num_update" in cfg.lr_scheduler.__dataclass_fields__ and cfg.lr_scheduler.total_num_update is None:
+        if cfg.optimization.max_update < 1:
+            raise UsageError(f"--lr-scheduler {cfg.lr_scheduler._name} decays over --total-num-update updates: "
+                             "give it, or --max-update")
         changes["lr_scheduler"]["total_num_update"] = cfg.optimization.max_update
     fp16, bf16 = common.fp16 or common.memory_efficient_fp16, common.bf16 or common.memory_efficient_bf16
     if fp16 and bf16:
@@ -340,8 +366,6 @@ def derive(cfg: MetaseqConfig) -> MetaseqConfig:
     changes["common"].update(fp16=fp16, bf16=bf16)
     if dist.ddp_backend == "fully_sharded" and dist.zero_stage is None:
         changes["distributed_training"]["zero_stage"] = 3
-    elif dist.zero_stage is not None and dist.zero_stage not in (0, 1, 2, 3):
-        raise UsageError(f"invalid value {dist.zero_stage} for --zero-stage: choose 0, 1, 2 or 3")
     _derive_tensor_parallel(cfg, changes)
     return dataclasses.replace(cfg, **{
         name: dataclasses.replace(getattr(cfg, name), **values) for name, values in changes.items() if values})
@@ -357,8 +381,6 @@ def _derive_tensor_parallel(cfg: MetaseqConfig, changes: Dict[str, Dict[str, Any
         raise UsageError(f"--model-parallel-size {dist.model_parallel_size} and --tensor-parallel-size "
                          f"{dist.tensor_parallel_size} disagree: give one of them")
     size = max(sizes, default=1)
-    if size < 1 or min(dist.model_parallel_size, dist.tensor_parallel_size) < 1:
-        raise UsageError("--model-parallel-size must be at least 1")
     changes["distributed_training"].update(model_parallel_size=size, tensor_parallel_size=size)
     if size == 1:
         return

@@ -15,6 +15,7 @@ import functools
 import os
 import warnings
 from importlib import metadata
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Tuple
 
 from metaseq_ds.errors import UsageError
@@ -87,6 +88,19 @@ def even_split_tp_meta():
     return AutoTPMeta(tp_grain_size=1)
 
 
+# -- DeepSpeed: the CPU accelerator's shared-memory all-reduce --------------------------------
+
+def shm_allreduce_buffer(rank: int) -> Path:
+    """The file in /dev/shm that DeepSpeed's shared-memory all-reduce op (`csrc/cpu/comm/shm.cpp`,
+    built and initialised by `deepspeed.init_distributed()` when all ranks share one machine)
+    creates for `rank`: ~66 MB, named from the user, MASTER_ADDR and MASTER_PORT, and never
+    unlinked by DeepSpeed. Each rank creates its own and maps every other rank's while it
+    initialises; after that no rank opens one by name again."""
+    require_tested("deepspeed", "the name of csrc/cpu/comm/shm.cpp's all-reduce buffer")
+    address, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    return Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_{address}_{port}_{rank}"
+
+
 # -- DeepSpeed: ZeRO internals -------------------------------------------------------------------
 
 def zero3_flat_partitions(zero_optimizer) -> List[Tuple[Any, Any]]:
@@ -94,6 +108,30 @@ def zero3_flat_partitions(zero_optimizer) -> List[Tuple[Any, Any]]:
     ZeRO-3 optimizer: the flat buffers DeepSpeed steps and copies between."""
     require_tested("deepspeed", "DeepSpeedZeroOptimizer_Stage3.fp32_partitioned_groups_flat")
     return list(zip(zero_optimizer.fp32_partitioned_groups_flat, zero_optimizer.fp16_partitioned_groups_flat))
+
+
+def zero12_flat_partitions(zero_optimizer) -> List[Tuple[Any, Any]]:
+    """(fp32 master partition, training-dtype parameter partition) per parameter group of a
+    ZeRO-1/2 optimizer: the flat buffers DeepSpeed steps and copies between."""
+    require_tested("deepspeed", "DeepSpeedZeroOptimizer.single_partition_of_fp32_groups")
+    return [(master, zero_optimizer.parallel_partitioned_bit16_groups[i][_zero12_partition_id(zero_optimizer, i)])
+            for i, master in enumerate(zero_optimizer.single_partition_of_fp32_groups)]
+
+
+def _zero12_partition_id(zero_optimizer, group: int) -> int:
+    import deepspeed.comm as dist
+
+    return dist.get_rank(group=zero_optimizer.real_dp_process_group[group])
+
+
+def relink_zero12_master_fragments(zero_optimizer) -> None:
+    """After a ZeRO-1/2 master partition got new storage: each parameter's view of its fp32
+    fragment (`param._hp_mapping`, what `safe_get_full_fp32_param` and universal checkpoints
+    read) was a view of the old storage; DeepSpeed's own linking makes them again, and the
+    optimizer-state fragments are linked afresh at the first step."""
+    require_tested("deepspeed", "DeepSpeedZeroOptimizer._link_all_hp_params")
+    zero_optimizer._link_all_hp_params()
+    zero_optimizer._hp_optimizer_states_linked = False
 
 
 def zero3_gradient_buffer(zero_optimizer):
@@ -119,6 +157,94 @@ def consolidate_zero_shards(folder: str, tensor_parallel_rank: int) -> Dict[str,
     if stage <= 2:
         return zero_to_fp32._get_fp32_state_dict_from_zero2_checkpoint(dp_size, flat_groups, model_states, False, paddings)
     return zero_to_fp32._get_fp32_state_dict_from_zero3_checkpoint(dp_size, flat_groups, model_states, False)
+
+
+def zero_checkpoint_values(folder: str, tensor_parallel_rank: int, key: str) -> Dict[str, Any]:
+    """One tensor-parallel rank's per-parameter `key` of a ZeRO-1/2/3 checkpoint in `folder`,
+    consolidated over its data-parallel shards: "fp32" (the master weights) or an optimizer state
+    ("exp_avg", "exp_avg_sq"). ZeRO-3 values are read lazily (`.contiguous()`) from memory-mapped
+    files; ZeRO-1/2 ones are views of each parameter group joined over the ranks.
+
+    zero_to_fp32's per-stage workers consolidate the fp32 master partitions; the base optimizer's
+    state tensors are flat partitions of the same layout (one flat parameter per group, DeepSpeed
+    saves them without the alignment padding or with it at the end), so handing those workers the
+    moments instead of the master weights consolidates the moments."""
+    require_tested("deepspeed", "zero_to_fp32._get_fp32_state_dict_from_zero{2,3}_checkpoint")
+    from deepspeed.utils import zero_to_fp32
+
+    model_states, stage, optimizer_states = _zero_checkpoint_files(folder, tensor_parallel_rank)
+    masters = [state["single_partition_of_fp32_groups" if stage <= 2 else "fp32_flat_groups"] for state in optimizer_states]
+    if key == "fp32":
+        groups = masters
+    else:
+        groups = [[_base_optimizer_group_state(state, index)[key].narrow(0, 0, flat.numel()) for index, flat in enumerate(flats)]
+                  for state, flats in zip(optimizer_states, masters)]
+    dp_size = len(optimizer_states)
+    if stage <= 2:
+        return zero_to_fp32._get_fp32_state_dict_from_zero2_checkpoint(
+            dp_size, groups, model_states, False, optimizer_states[0].get("param_alignment_paddings"))
+    return zero_to_fp32._get_fp32_state_dict_from_zero3_checkpoint(dp_size, groups, model_states, False)
+
+
+def zero_checkpoint_step(folder: str, tensor_parallel_rank: int) -> int:
+    """The optimizer step count of a ZeRO-1/2/3 checkpoint (its base optimizer's, group 0)."""
+    require_tested("deepspeed", "the base optimizer state in ZeRO checkpoints")
+    _, _, optimizer_states = _zero_checkpoint_files(folder, tensor_parallel_rank)
+    return int(_base_optimizer_group_state(optimizer_states[0], 0)["step"])
+
+
+def _zero_checkpoint_files(folder: str, tensor_parallel_rank: int):
+    """(model states as zero_to_fp32 parses them, ZeRO stage, each data-parallel rank's optimizer
+    state dict, memory-mapped)."""
+    from deepspeed.utils import zero_to_fp32
+
+    from metaseq_ds.distributed.safe_checkpoint_loading import safe_load
+
+    pattern = f"mp_rank_{tensor_parallel_rank:02d}"
+    model_states = zero_to_fp32.parse_model_states(zero_to_fp32.get_checkpoint_files(folder, f"*{pattern}_model_states.pt"))
+    optimizer_states = [safe_load(path, map_location="cpu", mmap=True)["optimizer_state_dict"]
+                        for path in zero_to_fp32.get_checkpoint_files(folder, f"*{pattern}_optim_states.pt")]
+    return model_states, int(optimizer_states[0]["zero_stage"]), optimizer_states
+
+
+def _base_optimizer_group_state(optimizer_state: Dict[str, Any], group: int) -> Dict[str, Any]:
+    """The base (torch) optimizer's state of flat group `group`: ZeRO-3 saves the torch state dict
+    ("optimizer_state_dict"), ZeRO-1/2 either that or, elastic, a list of per-group states."""
+    if "fp32_flat_groups" in optimizer_state:
+        return optimizer_state["optimizer_state_dict"]["state"][group]
+    base = optimizer_state["base_optimizer_state"]
+    return base[group] if isinstance(base, list) else base["state"][group]
+
+
+def link_optimizer_state_fragments(zero_optimizer) -> None:
+    """Make DeepSpeed's per-parameter views of the optimizer state (what
+    `safe_set_full_optimizer_state` writes through) point at the base optimizer's state tensors.
+    ZeRO-1/2 and the bf16 optimizer link them lazily at their first step; ZeRO-3 needs nothing."""
+    require_tested("deepspeed", "DeepSpeedZeroOptimizer._lazy_init_hp_params_optimizer_state")
+    link = getattr(zero_optimizer, "_lazy_init_hp_params_optimizer_state", None)
+    if link is not None:
+        zero_optimizer._hp_optimizer_states_linked = False
+        link()
+
+
+def unfused_fp32_masters(optimizer) -> Dict[int, Any]:
+    """{id(model parameter): its fp32 master} of DeepSpeed's fp16/bf16 optimizer at ZeRO-0
+    (`FP16_UnfusedOptimizer`), empty for any other optimizer. That wrapper keeps one fp32 copy per
+    parameter, `fp32_groups[i][j]` for `fp16_groups[i][j]`, and the base optimizer steps the copies."""
+    require_tested("deepspeed", "FP16_UnfusedOptimizer.fp16_groups/fp32_groups")
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    if not isinstance(optimizer, FP16_UnfusedOptimizer):
+        return {}
+    return {id(param): master for params, masters in zip(optimizer.fp16_groups, optimizer.fp32_groups)
+            for param, master in zip(params, masters)}
+
+
+def unfused_optimizer_construction_steps() -> int:
+    """Steps the base optimizer of `FP16_UnfusedOptimizer` takes when it is built (one, on zero
+    gradients, to create its state): its step count runs that far ahead of the updates."""
+    require_tested("deepspeed", "FP16_UnfusedOptimizer.initialize_optimizer_states")
+    return 1
 
 
 def checkpoint_file_classes() -> List[type]:

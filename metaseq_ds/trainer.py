@@ -31,7 +31,7 @@ from metaseq_ds.errors import UsageError
 from metaseq_ds.logging import metrics
 from metaseq_ds.optim import build_optimizer
 from metaseq_ds.optim.lr_scheduler import build_lr_scheduler
-from metaseq_ds.optim.zero3_master_weights import share_fp32_master_weights
+from metaseq_ds.optim.fp32_master_weights import share_fp32_master_weights
 from metaseq_ds.validation import validation_loss
 
 logger = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class Trainer:
             model=model, optimizer=self.optimizer.optimizer, config=self.ds_config, mpu=mpu
         )
         use_weights_only_loading(self.engine)
-        share_fp32_master_weights(self.engine)  # ZeRO-3 in fp32: no second copy of the parameters
+        share_fp32_master_weights(self.engine)  # ZeRO in fp32: no second copy of the parameters
         self.model = self.engine  # criterion(model, sample) runs the engine's forward
         self.lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self.optimizer)
         self.num_updates = 0
@@ -125,10 +125,13 @@ class Trainer:
             "loss": total_loss / max(global_size, 1.0) / math.log(2),
             "ntokens": global_tokens,
             "nsentences": global_sentences,
+            "sample_size": global_size,
             "lr": lr,
             "gnorm": gnorm,
             "clip": float(clip_norm > 0 and gnorm > clip_norm),
             "train_wall": time.perf_counter() - start,
+            # False when DeepSpeed's overflow check (fp16 loss scaling, bf16) skipped the step.
+            "step_applied": self.engine.was_step_applied(),
         }
 
     @property

@@ -10,6 +10,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
 
+from metaseq_ds.logging.update_window import perplexity
+
 Sample = Dict[str, Any]
 
 
@@ -35,4 +37,4 @@ def validation_loss(
         tokens += float(logging_output["ntokens"])
     loss_sum, sample_size, tokens = sum_over_ranks([loss_sum, sample_size, tokens])
     loss = loss_sum / max(sample_size, 1.0) / math.log(2)
-    return {"loss": loss, "ppl": 2**loss, "ntokens": tokens}
+    return {"loss": loss, "ppl": perplexity(loss), "ntokens": tokens}

@@ -52,10 +52,10 @@ def env() -> Dict[str, str]:
     return out
 
 
-def remove_shm_buffers(port: int) -> None:
-    """DeepSpeed's CPU all-reduce leaves ~66 MB per rank in /dev/shm (memory) after each launch."""
-    for leftover in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"):
-        leftover.unlink(missing_ok=True)
+def shm_leftovers(port: int) -> List[str]:
+    """What a launch on `port` left in /dev/shm: DeepSpeed's CPU all-reduce buffers (~66 MB a rank)
+    carry the port in their names, and metaseq_ds removes them, so this must be empty."""
+    return sorted(path.name for path in Path("/dev/shm").iterdir() if f"_{port}_" in path.name)
 
 
 def free_port() -> int:
@@ -67,8 +67,8 @@ def free_port() -> int:
 
 
 def run(args: List[str], launcher: Optional[str] = None, timeout: int = 300, check: bool = True,
-        ranks: int = 2) -> subprocess.CompletedProcess:
-    port = free_port()
+        ranks: int = 2, port: Optional[int] = None) -> subprocess.CompletedProcess:
+    port = port or free_port()
     if launcher == "deepspeed":
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port",
                str(port), "--module", "metaseq_ds.cli.train", *args]
@@ -77,10 +77,9 @@ def run(args: List[str], launcher: Optional[str] = None, timeout: int = 300, che
                str(port), "-m", "metaseq_ds.cli.train", *args]
     else:
         cmd = [sys.executable, "-m", "metaseq_ds.cli.main", "train", *args]
-    try:
-        result = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=timeout)
-    finally:
-        remove_shm_buffers(port)
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=timeout)
+    if launcher and shm_leftovers(port):  # every launch of the suite checks that none leaks
+        raise AssertionError(f"{cmd} left {shm_leftovers(port)} in /dev/shm")
     if check and "train_inner" not in result.stdout:
         raise AssertionError(f"{cmd} failed ({result.returncode}):\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
     return result

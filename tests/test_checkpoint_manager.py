@@ -115,3 +115,28 @@ def test_the_demo_run_is_decided_once_at_parse_time():
     assert not data.dataset.demo and data.task.data == "/data"
     with pytest.raises(UsageError, match="give DATA .* or --demo, not both"):
         parse_train_config(["/data", "--demo"])
+
+
+def test_the_data_position_moves_in_samples_to_any_split_that_divides_it(tmp_path):
+    saved = config("--batch-size", "4", save_dir=tmp_path)
+    save_run(tmp_path, saved, world_size=2, zero_stage=0)  # 7 micro-batches of 2 x 4 read: 56 samples
+
+    def position(flags, layout):
+        manager = CheckpointManager(config(*flags, save_dir=tmp_path), layout)
+        return manager._data_position(manager.plan())["iterations_in_epoch"]
+
+    assert position(["--batch-size", "8"], Layout(1, 3, 1)) == 7
+    assert position(["--batch-size", "4", "--update-freq", "2"], Layout(1, 3, 1)) == 14
+    assert position(["--batch-size", "2"], Layout(4, 3, 1)) == 7
+    with pytest.raises(UsageError, match=r"--batch-size 16 x 1 data-parallel rank\(s\) = 16 samples per micro-batch does "
+                                         r"not divide the 56 samples .* or give --reset-dataloader"):
+        CheckpointManager(config("--batch-size", "16", save_dir=tmp_path), Layout(1, 3, 1)).plan()
+    reset = config("--batch-size", "16", "--reset-dataloader", save_dir=tmp_path)
+    assert CheckpointManager(reset, Layout(1, 3, 1)).plan().kind is ResumeKind.RESHARD
+
+
+def test_another_precision_is_another_layout(tmp_path):
+    cfg = config(save_dir=tmp_path)
+    save_run(tmp_path, cfg, world_size=1, zero_stage=0)
+    assert CheckpointManager(cfg, Layout(1, 0, 1, "bf16")).plan().kind is ResumeKind.RESHARD
+    assert CheckpointManager(cfg, Layout(1, 0, 1, "fp32")).plan().kind is ResumeKind.EXACT

@@ -55,3 +55,30 @@ def test_another_architecture_is_refused_naming_the_difference(tmp_path):
     with pytest.raises(UsageError, match="decoder_layers=12 \\(now 2\\)"):
         checkpoint_utils.check_compatible(meta, "opt_125m", {"decoder_layers": 2, "dropout": 0.1}, tmp_path)
     checkpoint_utils.check_compatible(meta, "opt_125m", {"decoder_layers": 12, "dropout": 0.0}, tmp_path)
+
+
+def _resident_kib() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+
+
+def test_weights_read_from_a_mapped_checkpoint_own_their_memory_and_leave_no_pages_behind(tmp_path):
+    import torch
+
+    from metaseq_ds.checkpoint_utils import CheckpointValues, file_mapped
+
+    generator = torch.Generator().manual_seed(0)
+    weights = {"row_parallel": torch.randn(2048, 2048, generator=generator),  # 16 MiB each
+               "replicated": torch.randn(2048, 2048, generator=generator)}
+    torch.save(weights, tmp_path / "weights.pt")
+    mapped = torch.load(tmp_path / "weights.pt", mmap=True, weights_only=True)
+    assert file_mapped(mapped["replicated"]) and not file_mapped(weights["replicated"])
+    values = CheckpointValues(mapped, "test", initial=None)
+    before = _resident_kib()
+    part = values.shard("row_parallel", (2048, 2048), dim=1, rank=1, size=2)  # reads every page of the tensor
+    whole = values.shard("replicated", (2048, 2048), dim=None, rank=0, size=1)
+    grown = _resident_kib() - before
+    assert torch.equal(part, weights["row_parallel"][:, 1024:]) and torch.equal(whole, weights["replicated"])
+    assert not file_mapped(part) and not file_mapped(whole)  # a parameter never pins the file's pages
+    assert grown < (24 + 8) * 1024  # the two parts (8 + 16 MiB), not also the 32 MiB of pages read
+    assert torch.equal(mapped["row_parallel"], weights["row_parallel"])  # released pages read again from the file

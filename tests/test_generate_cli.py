@@ -7,7 +7,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from launch import TINY, env, free_port, remove_shm_buffers, run, write_corpus
+from launch import TINY, env, free_port, run, shm_leftovers, write_corpus
 from metaseq_ds.cli.main import app
 
 
@@ -104,10 +104,8 @@ def test_under_the_deepspeed_launcher_the_model_is_sharded_and_gives_the_same_co
         port = free_port()
         command = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port),
                    "--module", "metaseq_ds.cli.generate", *args, *mode]
-        try:
-            sharded = subprocess.run(command, capture_output=True, text=True, env=env(), timeout=300)
-        finally:
-            remove_shm_buffers(port)
+        sharded = subprocess.run(command, capture_output=True, text=True, env=env(), timeout=300)
+        assert not shm_leftovers(port)
         records = [json.loads(line) for line in sharded.stdout.splitlines() if line.startswith('{"prompt"')]
         expected = [json.loads(line) for line in single.stdout.splitlines()]
         assert len(records) == 2, sharded.stdout[-2000:] + sharded.stderr[-2000:]

@@ -72,7 +72,7 @@ BAD = [
     ({"max_tokens": 0}, "{max_tokens} must be >= 1, got 0"),
     ({"min_tokens": -1}, "{min_tokens} must be >= 0, got -1"),
     ({"temperature": -0.5}, "{temperature} must be >= 0, got -0.5"),
-    ({"temperature": math.nan}, "{temperature}: input should be a finite number, got nan"),
+    ({"temperature": math.nan}, "{temperature} must be a finite number >= 0, got nan"),
     ({"top_p": 1.5}, "{top_p} must be in (0, 1], got 1.5"),
     ({"top_p": 0.0}, "{top_p} must be in (0, 1], got 0.0"),
     ({"top_k": -1}, "{top_k} must be >= 0, got -1"),

@@ -47,7 +47,7 @@ def test_inverse_sqrt():
 def test_inverse_sqrt_warmup_init_lr_and_no_warmup():
     scheduler, optimizer = schedule(InverseSquareRootLRScheduleConfig, lr=1.0, warmup_updates=4, warmup_init_lr=0.2)
     assert_schedule(scheduler, optimizer, {0: 0.2, 2: 0.2 + 2 * 0.8 / 4, 4: 1.0})
-    with pytest.raises(UsageError, match="--warmup-updates"):
+    with pytest.raises(UsageError, match="^warmup_updates must be >= 1, got 0$"):
         schedule(InverseSquareRootLRScheduleConfig, lr=1.0, warmup_updates=0)
 
 

@@ -83,6 +83,12 @@ def test_every_builtin_field_has_help():
 @pytest.mark.parametrize("argv, message", [
     (["--lrr", "0.1"], "unknown flag --lrr; did you mean '--lr'?"),
     (["--max-update", "ten"], "invalid value 'ten' for --max-update"),
+    (["--lr", "-1e-3"], "--lr must be > 0, got -1e-3"),  # argparse alone takes '-1e-3' for a flag
+    (["--max-update"], "argument --max-update: expected one argument"),
+    # The schedulers' own relations, checked at parse time (they used to wait for the model to be built).
+    (["--lr-scheduler", "polynomial_decay"], "--lr-scheduler polynomial_decay decays over --total-num-update"),
+    (["--lr-scheduler", "cosine"], "cosine needs --lr-period-updates > 0 or --max-update > --warmup-updates"),
+    (["--lr-scheduler", "cosine", "--max-update", "9", "--min-lr", "1"], "cosine needs --lr (=0.25) more than --min-lr"),
     (["--sample-break-mode", "paragraph"], "--sample-break-mode"),
     (["--arch", "opt_125"], "--arch: unknown architecture 'opt_125'"),
     (["--optimizer", "adamw"], "--optimizer: unknown optimizer 'adamw'"),

@@ -66,30 +66,64 @@ def test_even_split_meta_splits_every_dimension_into_equal_parts():
 
 
 def test_deepspeed_shims_in_a_one_rank_process(tmp_path):
-    out = subprocess.run([sys.executable, __file__, str(tmp_path)], capture_output=True, text=True, env=env(), timeout=300)
+    # LOCAL_SIZE (set by the deepspeed launcher) = world size: DeepSpeed's shm all-reduce op starts up.
+    out = subprocess.run([sys.executable, __file__, str(tmp_path)], capture_output=True, text=True,
+                         env={**env(), "LOCAL_SIZE": "1"}, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert found["shm"] == {"created_as_named": True, "released": True}
     assert found["groups"] == {"before": False, "after": True, "tp_size": 1}
     for stage in ("2", "3"):
         result = found[stage]
         assert result["loads_through_override"] > 0  # every file the engine read went through ours
         assert result["consolidated_equal"], f"ZeRO-{stage}: consolidated weights differ from the module's"
+        assert result["moments_equal"], f"ZeRO-{stage}: consolidated Adam moments differ from DeepSpeed's own"
+        assert result["step"] == 1
+        assert result["linked_then_set"], f"ZeRO-{stage}: a moment set before the first step did not land"
     assert found["3"]["partition_pairs"] == {"count": 1, "same_layout": True}
+    # ZeRO-0 in bf16: an fp32 copy of each of the 4 parameters, and one step taken at construction.
+    assert found["unfused"] == {"copies": 4, "fp32": True, "base_step": 1, "construction_steps": 1}
 
 
-def _engine(stage: int):
+def _engine(stage: int, steps: int = 1, bf16: bool = False):
     import deepspeed
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
     config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
-              "zero_allow_untested_optimizer": True}
+              "zero_allow_untested_optimizer": True, "bf16": {"enabled": bf16}}
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    loss = engine(torch.randn(2, 8)).square().sum()
-    engine.backward(loss)
-    engine.step()
-    return engine
+    for _ in range(steps):
+        loss = engine(torch.randn(2, 8)).square().sum()
+        engine.backward(loss)
+        engine.step()
+    return engine, optimizer
+
+
+def _check_unfused() -> dict:
+    engine, base = _engine(0, steps=0, bf16=True)
+    copies = private_apis.unfused_fp32_masters(engine.optimizer)
+    return {"copies": len(copies), "fp32": all(master.dtype == torch.float32 for master in copies.values()),
+            "base_step": int(next(iter(base.state.values()))["step"]),
+            "construction_steps": private_apis.unfused_optimizer_construction_steps()}
+
+
+def _linked_then_set(stage: int) -> bool:
+    """A fresh engine (no step yet): create Adam's state, link it, set a moment through DeepSpeed."""
+    from deepspeed.utils import safe_get_full_optimizer_state, safe_set_full_optimizer_state
+
+    engine, base = _engine(stage, steps=0)
+    stepped = ([master for master, _ in private_apis.zero3_flat_partitions(engine.optimizer)] if stage == 3
+               else [flat for group in base.param_groups for flat in group["params"]])
+    for flat in stepped:
+        base.state[flat] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
+    private_apis.link_optimizer_state_fragments(engine.optimizer)
+    param = next(engine.module.parameters())
+    value = torch.arange(float(param.ds_numel if stage == 3 else param.numel())).view(
+        param.ds_shape if stage == 3 else param.shape)
+    safe_set_full_optimizer_state(param, value, "exp_avg")
+    return torch.equal(safe_get_full_optimizer_state(param, "exp_avg"), value)
 
 
 def _check_stage(stage: int, folder: str) -> dict:
@@ -97,7 +131,9 @@ def _check_stage(stage: int, folder: str) -> dict:
 
     from metaseq_ds.distributed.safe_checkpoint_loading import safe_load
 
-    engine = _engine(stage)
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    engine, _ = _engine(stage)
     result = {}
     if stage == 3:
         pairs = private_apis.zero3_flat_partitions(engine.optimizer)
@@ -118,17 +154,31 @@ def _check_stage(stage: int, folder: str) -> dict:
     with zero.GatheredParameters(list(params.values()), enabled=stage == 3):
         result["consolidated_equal"] = sorted(consolidated) == sorted(params) and all(
             torch.equal(consolidated[name].contiguous().float(), value.detach().float()) for name, value in params.items())
+    moments = private_apis.zero_checkpoint_values(f"{folder}/t", 0, "exp_avg")
+    private_apis.link_optimizer_state_fragments(engine.optimizer)  # load_checkpoint unlinked them
+    result["moments_equal"] = all(torch.equal(moments[name].contiguous(), safe_get_full_optimizer_state(value, "exp_avg"))
+                                  for name, value in params.items())
+    result["step"] = private_apis.zero_checkpoint_step(f"{folder}/t", 0)
+    result["linked_then_set"] = _linked_then_set(stage)
     return result
 
 
 if __name__ == "__main__":
+    import deepspeed
+
     from metaseq_ds.distributed import utils as dist_utils
 
-    dist_utils.init_distributed()
-    found = {"groups": {"before": private_apis.tensor_parallel_groups_initialized()}}
+    dist_utils.prepare_environment()
+    deepspeed.init_distributed()  # dist_utils.init_distributed's steps, with a look at /dev/shm in between
+    buffer = private_apis.shm_allreduce_buffer(0)
+    found = {"shm": {"created_as_named": buffer.is_file()}}
+    dist_utils.release_shm_buffer()
+    found["shm"]["released"] = not buffer.exists()
+    found["groups"] = {"before": private_apis.tensor_parallel_groups_initialized()}
     private_apis.init_tensor_parallel_groups(1)
     found["groups"].update(after=private_apis.tensor_parallel_groups_initialized(),
                            tp_size=dist_utils.get_tensor_model_parallel_world_size())
     for stage in (2, 3):
         found[str(stage)] = _check_stage(stage, f"{sys.argv[1]}/zero{stage}")
+    found["unfused"] = _check_unfused()
     print(json.dumps(found))

@@ -12,8 +12,11 @@ from typing import List, Optional
 import typer
 
 from metaseq_ds import __version__
+from metaseq_ds.dataclass.configs import DatasetConfig  # pydantic only, as the two below
+from metaseq_ds.dataclass.constraints import describe_range
 from metaseq_ds.errors import UsageError
 from metaseq_ds.generation_options import GenerationOptions  # pydantic only: --help stays free of torch
+from migrate.options import Options as MigrateOptions
 
 app = typer.Typer(
     name="mseq",
@@ -55,8 +58,10 @@ def validate(
     path: str = typer.Option(..., "--path", help="checkpoint: a save dir (its last checkpoint) or a checkpoint_* dir"),
     valid_subset: Optional[str] = typer.Option(None, "--valid-subset", help="comma-separated splits (default: the run's)"),
     data: Optional[str] = typer.Option(None, "--data", help="data directory (default: the run's)"),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", help="sequences per batch (default: the run's)"),
-    max_valid_steps: Optional[int] = typer.Option(None, "--max-valid-steps", help="at most N batches per split"),
+    batch_size: Optional[int] = typer.Option(
+        None, "--batch-size", help="sequences per batch (default: the run's)" + describe_range(DatasetConfig, "batch_size")),
+    max_valid_steps: Optional[int] = typer.Option(
+        None, "--max-valid-steps", help="at most N batches per split" + describe_range(DatasetConfig, "max_valid_steps")),
 ) -> None:
     """Report loss (base 2) and perplexity of a checkpoint on validation splits."""
     from metaseq_ds.cli import validate as validate_module
@@ -111,7 +116,7 @@ def migrate(
     diff: bool = typer.Option(False, "--diff", help="print a unified diff and write nothing"),
     check: bool = typer.Option(False, "--check", help="write nothing; exit 1 if anything would change (for CI)"),
     report: Optional[str] = typer.Option(None, "--report", metavar="FILE", help="write every item as JSON: file, line, col, kind, old, new, reason"),
-    jobs: int = typer.Option(1, "-j", "--jobs", help="worker processes"),
+    jobs: int = typer.Option(1, "-j", "--jobs", help="worker processes" + describe_range(MigrateOptions, "jobs")),
     exclude: List[str] = typer.Option([], "--exclude", metavar="GLOB", help="skip matching paths (repeatable); .git, .venv, build, dist, site-packages and @generated files are always skipped"),
     shell: bool = typer.Option(False, "--shell", help="also rewrite fairseq-train / metaseq-train / python -m metaseq.cli.train in shell scripts"),
 ) -> None:
@@ -121,7 +126,7 @@ def migrate(
     """
     from migrate import runner
 
-    run_guarded("migrate", runner.main, runner.Options(paths, diff, check, report, jobs, exclude, shell))
+    run_guarded("migrate", runner.main, MigrateOptions(paths, diff, check, report, jobs, exclude, shell))
 
 
 @app.command()
@@ -152,7 +157,7 @@ def export_hf(
     checkpoint: str = typer.Argument(..., metavar="CKPT", help="a save dir (its last checkpoint) or a checkpoint_* dir, any ZeRO stage and rank count"),
     out: str = typer.Argument(..., metavar="OUT", help="new folder for the Hugging Face model (must not exist, or be empty)"),
     dtype: str = typer.Option("fp32", "--dtype", help="weights dtype: fp32, fp16 or bf16"),
-    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="split model.safetensors into shards of at most this size"),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", help="split model.safetensors into shards of at most this size (more than 0: 5GB, 500MB, 2KB or bytes)"),
 ) -> None:
     """Write a Hugging Face OPTForCausalLM folder: config, generation config, safetensors, tokenizer."""
     from metaseq_ds.cli import export
@@ -183,6 +188,20 @@ def import_metaseq(
     from metaseq_ds.cli import import_
 
     run_guarded("import metaseq", import_.metaseq, checkpoint, out, hf_tokenizer, vocab_filename, merges_filename)
+
+
+@app.command()
+def reshard(
+    checkpoint: str = typer.Argument(..., metavar="CKPT", help="a save dir (its last checkpoint) or a checkpoint_* dir, any layout"),
+    out: str = typer.Argument(..., metavar="OUT", help="new folder for the resharded checkpoint (must not exist, or be empty)"),
+    ranks: int = typer.Option(..., "--ranks", help="ranks of the run that will resume it"),
+    tensor_parallel_size: int = typer.Option(1, "--tensor-parallel-size", help="its tensor-parallel degree (divides --ranks and the heads)"),
+    zero_stage: Optional[int] = typer.Option(None, "--zero-stage", help="its ZeRO stage (default: the checkpoint's)"),
+) -> None:
+    """Consolidate a training checkpoint (weights, fp32 master weights, Adam moments and step, data position) for another layout."""
+    from metaseq_ds.cli import reshard as reshard_module
+
+    run_guarded("reshard", reshard_module.main, checkpoint, out, ranks, tensor_parallel_size, zero_stage)
 
 
 def _version(value: bool) -> None:

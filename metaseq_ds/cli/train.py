@@ -121,6 +121,7 @@ def dry_run(cfg) -> None:
 def train_loop(cfg, task, trainer, epoch_itr, checkpoints, sink):
     """Updates until --max-update/--max-epoch/--stop-min-lr, validating and saving on schedule."""
     from metaseq_ds.distributed import utils as dist_utils
+    from metaseq_ds.divergence import check_update
     from metaseq_ds.logging.update_window import UpdateWindow
 
     opt, ds_cfg, ckpt = cfg.optimization, cfg.dataset, cfg.checkpoint
@@ -142,6 +143,8 @@ def train_loop(cfg, task, trainer, epoch_itr, checkpoints, sink):
         stop = False
         for samples in _groups(itr, opt.update_freq):
             stats = trainer.train_step(samples)
+            # A NaN/inf update stops here: nothing after it is logged or saved (TrainingDiverged).
+            check_update(stats, trainer.num_updates, cfg, checkpoints.saved_update)
             window.add(stats)
             n = trainer.num_updates
             sink.advance(n, stats["loss"])

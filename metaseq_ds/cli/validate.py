@@ -10,6 +10,13 @@ from typing import Optional
 
 def main(path: str, valid_subset: Optional[str], data: Optional[str], batch_size: Optional[int],
          max_valid_steps: Optional[int]) -> None:
+    from metaseq_ds.dataclass import DatasetConfig, validate_value
+
+    # The run's own fields, so the run's ranges; checked before torch is imported or anything loads.
+    for name, value in (("batch_size", batch_size), ("max_valid_steps", max_valid_steps)):
+        if value is not None:
+            validate_value(DatasetConfig, name, value, "--" + name.replace("_", "-"))
+
     from metaseq_ds import checkpoint_utils
     from metaseq_ds.logging.progress_bar import setup_logging
     from metaseq_ds.validation import validation_loss

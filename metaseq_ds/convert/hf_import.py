@@ -103,11 +103,11 @@ def read_hf_weights(folder: Path) -> Dict[str, Any]:
         raise UsageError(f"HF_DIR {folder} has no weights (model.safetensors or pytorch_model.bin, or their index)")
     weights: Dict[str, torch.Tensor] = {}
     for name in files:
-        weights.update(_read_weight_file(folder / name))
+        weights.update(read_weight_file(folder / name))
     return weights
 
 
-def _read_weight_file(path: Path) -> Dict[str, Any]:
+def read_weight_file(path: Path) -> Dict[str, Any]:
     if not path.is_file():
         raise UsageError(f"{path}: listed in the index but missing")
     try:

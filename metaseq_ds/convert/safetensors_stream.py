@@ -41,12 +41,19 @@ def parse_size(text: str) -> int:
     """'5GB', '500MB', '2KB' or a byte count -> bytes (decimal units, as Hugging Face's)."""
     units = {"GB": 10**9, "MB": 10**6, "KB": 10**3, "B": 1}
     upper = text.strip().upper()
+    size = None
     for unit, factor in units.items():
         if upper.endswith(unit) and upper[: -len(unit)].strip().replace(".", "", 1).isdigit():
-            return int(float(upper[: -len(unit)]) * factor)
-    if upper.isdigit():
-        return int(upper)
-    raise ValueError(f"not a size: {text!r} (examples: 5GB, 500MB)")
+            size = int(float(upper[: -len(unit)]) * factor)
+            break
+    else:
+        if upper.isdigit():
+            size = int(upper)
+    if size is None:
+        raise ValueError(f"not a size: {text!r} (examples: 5GB, 500MB)")
+    if size < 1:
+        raise ValueError(f"{text!r} is less than 1 byte: a shard must hold something (examples: 5GB, 500MB)")
+    return size
 
 
 def plan_shards(tensors: List[PendingTensor], max_shard_bytes: int) -> List[List[PendingTensor]]:

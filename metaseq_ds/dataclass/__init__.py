@@ -1,6 +1,6 @@
 """Configs: `MetaseqDataclass` (base of every section and plugin config) and `MetaseqConfig`."""
 
-from metaseq_ds.dataclass.base import ChoiceEnum, MetaseqDataclass, make_read_only, validate_config
+from metaseq_ds.dataclass.base import ChoiceEnum, MetaseqDataclass, make_read_only, validate_config, validate_value
 from metaseq_ds.dataclass.configs import (
     COMPONENT_SECTIONS,
     FIXED_SECTIONS,
@@ -25,4 +25,5 @@ __all__ = [
     "make_read_only",
     "OptimizationConfig",
     "validate_config",
+    "validate_value",
 ]

@@ -2,8 +2,9 @@
 
 A config is a standard-library dataclass whose fields carry their help text in
 `metadata={"help": ...}`, exactly as fairseq and metaseq wrote them, so plugin configs
-keep working unmodified. Validation (types, choices, coercion of command-line strings)
-is pydantic's, applied in one place: `validate_config`.
+keep working unmodified. A field's allowed range is part of its type
+(`Annotated[int, Field(ge=1)]`, see `constraints`). Validation (types, choices, ranges,
+coercion of command-line strings) is pydantic's, applied in one place: `validate_config`.
 """
 
 import dataclasses
@@ -12,6 +13,7 @@ from typing import Any, ClassVar, Dict, Mapping, Optional, Type, TypeVar
 
 import pydantic
 
+from metaseq_ds.dataclass.constraints import bounds, field_types, item_type, out_of_range
 from metaseq_ds.errors import UsageError
 
 C = TypeVar("C", bound="MetaseqDataclass")
@@ -23,6 +25,8 @@ class MetaseqDataclass:
 
     # The registry name of the component this config belongs to (set by register_*).
     _name: ClassVar[Optional[str]] = None
+    # pydantic's settings for every config, plugins' too: a NaN or infinite value is never meant.
+    __pydantic_config__ = pydantic.ConfigDict(allow_inf_nan=False)
 
     @classmethod
     def field_help(cls, name: str) -> str:
@@ -92,11 +96,38 @@ def validate_config(cls: Type[C], values: Mapping[str, Any], flag_of=lambda name
         first = error.errors()[0]
         if not first["loc"]:  # raised by the config's own checks: its message says it all
             raise UsageError(str(first.get("ctx", {}).get("error", first["msg"]))) from None
-        name = str(first["loc"][0])
-        got = first.get("input")
-        raise UsageError(f"invalid value {got!r} for {flag_of(name)}: {_reason(first)}") from None
+        raise UsageError(_explain(cls, first, flag_of)) from None
     except ValueError as error:  # raised by a config's __post_init__ checks
         raise UsageError(str(error)) from None
+
+
+def validate_value(cls: type, name: str, value: Any, flag: str) -> Any:
+    """One value checked against the type and range of `cls`'s field `name`, as `validate_config`
+    checks it: for a command's option that mirrors a config field (`mseq validate --batch-size`)."""
+    annotation = field_types(cls)[name]
+    try:
+        return pydantic.TypeAdapter(annotation, config=pydantic.ConfigDict(allow_inf_nan=False)).validate_python(value)
+    except pydantic.ValidationError as error:
+        first = error.errors()[0]
+        raise UsageError(_explain_value(annotation, first, flag, item=bool(first["loc"]))) from None
+
+
+RANGE_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal", "finite_number")
+
+
+def _explain(cls: type, error: Mapping[str, Any], flag_of) -> str:
+    """One line for pydantic's first error: the flag, the value and what is allowed."""
+    name = str(error["loc"][0])
+    return _explain_value(field_types(cls)[name], error, flag_of(name), item=len(error["loc"]) > 1)
+
+
+def _explain_value(annotation: Any, error: Mapping[str, Any], where: str, item: bool) -> str:
+    got = error.get("input")
+    if error["type"] in RANGE_ERRORS:
+        if item and item_type(annotation) is not None:  # an item of a tuple/list field
+            annotation, where = item_type(annotation), f"each value of {where}"
+        return out_of_range(where, bounds(annotation), got, finite=error["type"] == "finite_number")
+    return f"invalid value {got!r} for {where}: {_reason(error)}"
 
 
 def _reason(error: Mapping[str, Any]) -> str:

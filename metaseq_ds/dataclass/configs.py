@@ -6,18 +6,21 @@ they meant there. Values derived from other sections are computed in code (see
 """
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
+
+from pydantic import Field
 
 from metaseq_ds.dataclass.base import MetaseqDataclass
+from metaseq_ds.dataclass.constraints import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Seed
 
 
 @dataclass
 class CommonConfig(MetaseqDataclass):
-    seed: int = field(default=1, metadata={"help": "random seed: model init, data order, dropout"})
+    seed: Seed = field(default=1, metadata={"help": "random seed: model init, data order, dropout"})
     log_format: Literal["json", "simple", "none"] = field(
         default="json", metadata={"help": "format of the log lines (json: metaseq's JSON lines)"}
     )
-    log_interval: int = field(default=100, metadata={"help": "log training metrics every N updates"})
+    log_interval: PositiveInt = field(default=100, metadata={"help": "log training metrics every N updates"})
     log_file: Optional[str] = field(default=None, metadata={"help": "also append the log lines to this file"})
     tensorboard_logdir: Optional[str] = field(
         default=None, metadata={"help": "write TensorBoard scalars under this directory"}
@@ -31,7 +34,7 @@ class CommonConfig(MetaseqDataclass):
         default=False, metadata={"help": "metaseq flag; same as --fp16 here (DeepSpeed keeps fp32 master weights)"}
     )
     memory_efficient_bf16: bool = field(default=False, metadata={"help": "metaseq flag; same as --bf16 here"})
-    fp16_init_scale: int = field(default=2**7, metadata={"help": "initial fp16 loss scale"})
+    fp16_init_scale: PositiveInt = field(default=2**7, metadata={"help": "initial fp16 loss scale"})
     cpu: bool = field(default=False, metadata={"help": "use the CPU even when an accelerator is present"})
     user_dir: Optional[str] = field(
         default=None, metadata={"help": "a Python package of plugins (models, tasks, ...) to import before parsing"}
@@ -48,7 +51,7 @@ class CommonConfig(MetaseqDataclass):
 
 @dataclass
 class DistributedTrainingConfig(MetaseqDataclass):
-    zero_stage: Optional[int] = field(
+    zero_stage: Optional[Annotated[int, Field(ge=0, le=3)]] = field(
         default=None,
         metadata={"help": "DeepSpeed ZeRO stage 0-3 (default: 0 for one process, 3 for several: the FSDP equivalent)"},
     )
@@ -67,15 +70,16 @@ class DistributedTrainingConfig(MetaseqDataclass):
     checkpoint_activations: bool = field(
         default=False, metadata={"help": "recompute activations in the backward pass to save memory"}
     )
-    model_parallel_size: int = field(
+    model_parallel_size: PositiveInt = field(
         default=1, metadata={"help": "tensor-parallel degree (metaseq name); see also --tensor-parallel-size"}
     )
-    tensor_parallel_size: int = field(default=1, metadata={"help": "tensor-parallel degree"})
-    distributed_port: int = field(
-        default=-1, metadata={"help": "port for the single-process rendezvous when no launcher set MASTER_PORT"}
+    tensor_parallel_size: PositiveInt = field(default=1, metadata={"help": "tensor-parallel degree"})
+    distributed_port: Annotated[int, Field(ge=-1, le=65535)] = field(
+        default=-1,
+        metadata={"help": "port for the single-process rendezvous when no launcher set MASTER_PORT (-1 or 0: a free one)"},
     )
-    local_rank: int = field(default=-1, metadata={"help": "set by the deepspeed launcher; not for users"})
-    distributed_world_size: Optional[int] = field(
+    local_rank: Annotated[int, Field(ge=-1)] = field(default=-1, metadata={"help": "set by the deepspeed launcher; not for users"})
+    distributed_world_size: Optional[PositiveInt] = field(
         default=None,
         metadata={"help": "metaseq flag; the launcher decides the world size here (a mismatch is an error); "
                           "with --dry-run, the number of ranks to plan for"}
@@ -84,18 +88,18 @@ class DistributedTrainingConfig(MetaseqDataclass):
 
 @dataclass
 class DatasetConfig(MetaseqDataclass):
-    batch_size: int = field(default=8, metadata={"help": "sequences per micro-batch on each rank"})
-    batch_size_valid: Optional[int] = field(default=None, metadata={"help": "validation batch size (default: --batch-size)"})
-    num_workers: int = field(
+    batch_size: PositiveInt = field(default=8, metadata={"help": "sequences per micro-batch on each rank"})
+    batch_size_valid: Optional[PositiveInt] = field(default=None, metadata={"help": "validation batch size (default: --batch-size)"})
+    num_workers: NonNegativeInt = field(
         default=0,
         metadata={"help": "DataLoader worker processes preparing batches ahead of the step (0: a background thread)"},
     )
     valid_subset: str = field(default="valid", metadata={"help": "comma-separated validation splits"})
-    validate_interval: int = field(default=1, metadata={"help": "validate every N epochs"})
-    validate_interval_updates: int = field(default=0, metadata={"help": "validate every N updates (0: off)"})
+    validate_interval: PositiveInt = field(default=1, metadata={"help": "validate every N epochs"})
+    validate_interval_updates: NonNegativeInt = field(default=0, metadata={"help": "validate every N updates (0: off)"})
     disable_validation: bool = field(default=False, metadata={"help": "never validate"})
-    max_valid_steps: Optional[int] = field(default=None, metadata={"help": "at most N validation batches per split"})
-    data_buffer_size: int = field(
+    max_valid_steps: Optional[PositiveInt] = field(default=None, metadata={"help": "at most N validation batches per split"})
+    data_buffer_size: NonNegativeInt = field(
         default=10, metadata={"help": "batches prepared ahead of the step (0: each made when the step asks)"}
     )
     demo: bool = field(
@@ -107,12 +111,15 @@ class DatasetConfig(MetaseqDataclass):
 
 @dataclass
 class OptimizationConfig(MetaseqDataclass):
-    max_update: int = field(default=0, metadata={"help": "stop after N updates (0: no limit)"})
-    max_epoch: int = field(default=0, metadata={"help": "stop after N epochs (0: no limit)"})
-    update_freq: int = field(default=1, metadata={"help": "accumulate gradients over N micro-batches per update"})
-    lr: float = field(default=0.25, metadata={"help": "peak learning rate"})
-    clip_norm: float = field(default=0.0, metadata={"help": "clip the global gradient norm to this (0: no clipping)"})
-    stop_min_lr: float = field(default=-1.0, metadata={"help": "stop when the learning rate falls below this"})
+    max_update: NonNegativeInt = field(default=0, metadata={"help": "stop after N updates (0: no limit)"})
+    max_epoch: NonNegativeInt = field(default=0, metadata={"help": "stop after N epochs (0: no limit)"})
+    update_freq: PositiveInt = field(default=1, metadata={"help": "accumulate gradients over N micro-batches per update"})
+    lr: PositiveFloat = field(default=0.25, metadata={"help": "peak learning rate"})
+    clip_norm: NonNegativeFloat = field(default=0.0, metadata={"help": "clip the global gradient norm to this (0: no clipping)"})
+    # Any finite threshold is meaningful (a negative one never stops), so it has no range.
+    stop_min_lr: float = field(
+        default=-1.0, metadata={"help": "stop when the learning rate falls below this (negative: never)"}
+    )
 
 
 @dataclass
@@ -121,9 +128,9 @@ class CheckpointConfig(MetaseqDataclass):
     restore_file: str = field(
         default="checkpoint_last", metadata={"help": "checkpoint to resume from: a tag in --save-dir or a path"}
     )
-    save_interval_updates: int = field(default=0, metadata={"help": "save every N updates (0: only at epoch ends)"})
-    save_interval: int = field(default=1, metadata={"help": "save every N epochs"})
-    keep_last_updates: int = field(default=-1, metadata={"help": "keep only the last N update checkpoints (-1: all)"})
+    save_interval_updates: NonNegativeInt = field(default=0, metadata={"help": "save every N updates (0: only at epoch ends)"})
+    save_interval: PositiveInt = field(default=1, metadata={"help": "save every N epochs"})
+    keep_last_updates: Annotated[int, Field(ge=-1)] = field(default=-1, metadata={"help": "keep only the last N update checkpoints (-1: all)"})
     no_save: bool = field(
         default=False,
         metadata={"help": "save no checkpoints, and do not resume from --save-dir's checkpoint_last "

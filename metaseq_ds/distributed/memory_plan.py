@@ -9,9 +9,9 @@ partitioned over the D = ranks / T data-parallel ranks. Bytes per rank:
 
 - weights: this rank's tensor-parallel share x 2 (bf16/fp16) or 4 (fp32), / D under ZeRO-3;
 - gradients: the same size, / D from ZeRO-2 on;
-- optimizer: Adam's two fp32 moments (8 bytes) plus an fp32 master copy (4 bytes) where there
-  is one (bf16/fp16; DeepSpeed's ZeRO-1/2 keep one in fp32 too; ZeRO-3 in fp32 shares the
-  weights: `optim.zero3_master_weights`), / D from ZeRO-1 on;
+- optimizer: Adam's two fp32 moments (8 bytes) plus an fp32 master copy (4 bytes) in bf16/fp16
+  (in fp32 the master copy is the weights themselves: `optim.fp32_master_weights`), / D from
+  ZeRO-1 on;
 - activations of one micro-batch: an estimate after Korthikanti et al. (2022), s*b*h*(10 + 24/T)
   bytes a layer at 2 bytes an element, without the s^2 attention term (SDPA's fused kernels keep
   none), or one layer's input a layer with --checkpoint-activations; plus the logits (s*b*V/T).
@@ -72,7 +72,7 @@ def plan_memory(cfg, world_size: int) -> MemoryPlan:
         largest = max(largest, sliced)
     low_precision = cfg.common.bf16 or cfg.common.fp16
     element = 2 if low_precision else 4
-    master = 4 if low_precision or stage in (1, 2) else 0
+    master = 4 if low_precision else 0
     per_rank = {
         "weights": share * element / (dp if stage == 3 else 1),
         "gradients": share * element / (dp if stage >= 2 else 1),

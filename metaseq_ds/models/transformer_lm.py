@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from metaseq_ds.dataclass import MetaseqDataclass
+from metaseq_ds.dataclass.constraints import DropoutProbability, PositiveFloat, PositiveInt
 from metaseq_ds.models import register_architecture_defaults, register_model
 from metaseq_ds.models.base import LanguageModel
 from metaseq_ds.models.initialization import initialization_seed, initialize_parameters
@@ -18,17 +19,17 @@ from metaseq_ds.models.transformer_decoder import TransformerDecoder
 @dataclass
 class TransformerLanguageModelConfig(MetaseqDataclass):
     activation_fn: Literal["relu", "gelu"] = field(default="relu", metadata={"help": "activation function of the FFN"})
-    dropout: float = field(default=0.1, metadata={"help": "dropout probability on embeddings and block outputs"})
-    attention_dropout: float = field(default=0.0, metadata={"help": "dropout probability on attention weights"})
-    activation_dropout: float = field(default=0.0, metadata={"help": "dropout probability after the FFN activation"})
-    decoder_embed_dim: int = field(default=512, metadata={"help": "model width (hidden size)"})
-    decoder_input_dim: Optional[int] = field(
+    dropout: DropoutProbability = field(default=0.1, metadata={"help": "dropout probability on embeddings and block outputs"})
+    attention_dropout: DropoutProbability = field(default=0.0, metadata={"help": "dropout probability on attention weights"})
+    activation_dropout: DropoutProbability = field(default=0.0, metadata={"help": "dropout probability after the FFN activation"})
+    decoder_embed_dim: PositiveInt = field(default=512, metadata={"help": "model width (hidden size)"})
+    decoder_input_dim: Optional[PositiveInt] = field(
         default=None,
         metadata={"help": "width of the token embeddings (default: --decoder-embed-dim); another value adds project_in/project_out, as OPT-350m's 512"},
     )
-    decoder_ffn_embed_dim: int = field(default=2048, metadata={"help": "inner width of the FFN"})
-    decoder_layers: int = field(default=6, metadata={"help": "number of decoder layers"})
-    decoder_attention_heads: int = field(default=8, metadata={"help": "number of attention heads"})
+    decoder_ffn_embed_dim: PositiveInt = field(default=2048, metadata={"help": "inner width of the FFN"})
+    decoder_layers: PositiveInt = field(default=6, metadata={"help": "number of decoder layers"})
+    decoder_attention_heads: PositiveInt = field(default=8, metadata={"help": "number of attention heads"})
     decoder_normalize_before: bool = field(
         default=False, metadata={"help": "LayerNorm before each block (pre-LN); the gpt and OPT archs set it, except opt_350m"}
     )
@@ -45,17 +46,15 @@ class TransformerLanguageModelConfig(MetaseqDataclass):
     no_scale_embedding: bool = field(
         default=False, metadata={"help": "do not multiply token embeddings by sqrt(--decoder-embed-dim) (OPT)"}
     )
-    max_target_positions: Optional[int] = field(
+    max_target_positions: Optional[PositiveInt] = field(
         default=None, metadata={"help": "longest sequence the model accepts (default: --tokens-per-sample)"}
     )
-    init_std: float = field(
+    init_std: PositiveFloat = field(
         default=0.006,
         metadata={"help": "std of the normal weight init (OPT's 0.006; out_proj/fc2 get it / sqrt(2 * layers))"},
     )
 
     def __post_init__(self):
-        if self.decoder_layers < 1:
-            raise ValueError(f"--decoder-layers must be at least 1, got {self.decoder_layers}")
         if self.decoder_embed_dim % self.decoder_attention_heads != 0:
             raise ValueError(
                 f"--decoder-embed-dim {self.decoder_embed_dim} is not divisible by "

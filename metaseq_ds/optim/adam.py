@@ -9,21 +9,26 @@ of its kernels is chosen, since loading its ops is slow.
 
 import logging
 from dataclasses import dataclass, field
-from typing import Literal, Tuple
+from typing import Annotated, Literal, Tuple
 
 import torch
+from pydantic import Field
 
 from metaseq_ds.dataclass import MetaseqDataclass
+from metaseq_ds.dataclass.constraints import NonNegativeFloat, PositiveFloat
 from metaseq_ds.optim import BaseOptimizer, register_optimizer
 
 logger = logging.getLogger(__name__)
 
 
+Beta = Annotated[float, Field(ge=0, lt=1)]  # a moment's decay: 1 would never forget
+
+
 @dataclass
 class MetaseqAdamConfig(MetaseqDataclass):
-    adam_betas: Tuple[float, float] = field(default=(0.9, 0.999), metadata={"help": "betas for Adam optimizer"})
-    adam_eps: float = field(default=1e-8, metadata={"help": "epsilon for Adam optimizer"})
-    weight_decay: float = field(default=0.0, metadata={"help": "weight decay, decoupled from the gradient (AdamW)"})
+    adam_betas: Tuple[Beta, Beta] = field(default=(0.9, 0.999), metadata={"help": "betas for Adam optimizer"})
+    adam_eps: PositiveFloat = field(default=1e-8, metadata={"help": "epsilon for Adam optimizer"})
+    weight_decay: NonNegativeFloat = field(default=0.0, metadata={"help": "weight decay, decoupled from the gradient (AdamW)"})
     adam_impl: Literal["auto", "torch", "torch_fused", "fused", "cpu_adam"] = field(
         default="auto",
         metadata={
@@ -39,7 +44,7 @@ class MetaseqAdamConfig(MetaseqDataclass):
         default=False,
         metadata={"help": "metaseq flag (fp16 Adam moments); no effect: DeepSpeed keeps optimizer state in fp32"},
     )
-    lr: float = field(default=0.25, metadata={"help": "same as --lr"})
+    lr: PositiveFloat = field(default=0.25, metadata={"help": "same as --lr"})
 
 
 @register_optimizer("adam", dataclass=MetaseqAdamConfig)

@@ -1,18 +1,21 @@
 """`sgd`: SGD with momentum and decoupled weight decay (SGDW, arXiv:1711.05101), as metaseq's."""
 
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import torch
+from pydantic import Field
 
 from metaseq_ds.dataclass import MetaseqDataclass
+from metaseq_ds.dataclass.constraints import NonNegativeFloat, PositiveFloat
 from metaseq_ds.optim import BaseOptimizer, register_optimizer
 
 
 @dataclass
 class MetaseqSGDWConfig(MetaseqDataclass):
-    momentum: float = field(default=0.0, metadata={"help": "momentum factor"})
-    weight_decay: float = field(default=0.0, metadata={"help": "weight decay, decoupled from the gradient"})
-    lr: float = field(default=0.25, metadata={"help": "same as --lr"})
+    momentum: Annotated[float, Field(ge=0, lt=1)] = field(default=0.0, metadata={"help": "momentum factor"})
+    weight_decay: NonNegativeFloat = field(default=0.0, metadata={"help": "weight decay, decoupled from the gradient"})
+    lr: PositiveFloat = field(default=0.25, metadata={"help": "same as --lr"})
 
 
 @register_optimizer("sgd", dataclass=MetaseqSGDWConfig)

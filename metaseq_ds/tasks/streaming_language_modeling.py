@@ -38,6 +38,7 @@ from metaseq_ds.data.sample_index import IndexedSamples
 from metaseq_ds.data.store_builder import default_workers
 from metaseq_ds.data.token_store import TokenStore, open_store, store_root
 from metaseq_ds.dataclass import MetaseqDataclass
+from metaseq_ds.dataclass.constraints import PositiveInt, Seed
 from metaseq_ds.errors import UsageError
 from metaseq_ds.tasks import LegacyTask, register_task
 
@@ -65,17 +66,17 @@ class StreamingLanguageModelingConfig(MetaseqDataclass):
             "eos_pad_8: one document per sample, padded to a multiple of 8; passthrough: one document per sample, truncated"
         },
     )
-    tokens_per_sample: int = field(default=1024, metadata={"help": "sequence length: tokens the model sees per sample"})
-    final_vocab_size: Optional[int] = field(
+    tokens_per_sample: PositiveInt = field(default=1024, metadata={"help": "sequence length: tokens the model sees per sample"})
+    final_vocab_size: Optional[PositiveInt] = field(
         default=None, metadata={"help": "pad the dictionary to this size (default: to a multiple of --padding-factor)"}
     )
-    padding_factor: int = field(
+    padding_factor: PositiveInt = field(
         default=8,
         metadata={"help": "pad the dictionary to a multiple of this; --model-parallel-size N makes it 8*N, as metaseq did"},
     )
-    seed: int = field(default=1, metadata={"help": "same as --seed: the data order depends on it"})
-    batch_size: int = field(default=8, metadata={"help": "same as --batch-size"})
-    batch_size_valid: Optional[int] = field(default=None, metadata={"help": "same as --batch-size-valid"})
+    seed: Seed = field(default=1, metadata={"help": "same as --seed: the data order depends on it"})
+    batch_size: PositiveInt = field(default=8, metadata={"help": "same as --batch-size"})
+    batch_size_valid: Optional[PositiveInt] = field(default=None, metadata={"help": "same as --batch-size-valid"})
     data_cache_dir: Optional[str] = field(
         default=None,
         metadata={"help": "where the token stores (each shard tokenized once, memory-mapped) are kept "
@@ -89,8 +90,6 @@ class StreamingLanguageModelingTask(LegacyTask):
 
     def __init__(self, args: StreamingLanguageModelingConfig):
         super().__init__(args)
-        if args.tokens_per_sample < 1:
-            raise UsageError(f"--tokens-per-sample must be at least 1, got {args.tokens_per_sample}")
         self.tokenizer = build_tokenizer(args.hf_tokenizer, args.vocab_filename, args.merges_filename)
         self.eod = self.tokenizer.token_to_id(args.end_of_document_symbol)
         if self.eod is None:

@@ -6,43 +6,49 @@ min_lr * lr_shrink**i.
 
 import math
 from dataclasses import dataclass, field
+from typing import Annotated
+
+from pydantic import Field
 
 from metaseq_ds.dataclass import MetaseqDataclass
-from metaseq_ds.errors import UsageError
+from metaseq_ds.dataclass.constraints import NonNegativeFloat, NonNegativeInt, PositiveFloat
 from metaseq_ds.optim.lr_scheduler import BaseLRScheduler, register_lr_scheduler
 
 
 @dataclass
 class CosineLRScheduleConfig(MetaseqDataclass):
-    warmup_updates: int = field(
+    warmup_updates: NonNegativeInt = field(
         default=0, metadata={"help": "warmup the learning rate linearly for the first N updates"}
     )
-    warmup_init_lr: float = field(
-        default=-1, metadata={"help": "initial learning rate during warmup phase; default is --min-lr"}
+    warmup_init_lr: Annotated[float, Field(ge=-1)] = field(
+        default=-1, metadata={"help": "initial learning rate during warmup phase; -1: --min-lr"}
     )
-    lr: float = field(default=0.25, metadata={"help": "same as --lr: the max learning rate, must be more than --min-lr"})
-    min_lr: float = field(default=0.0, metadata={"help": "min learning rate"})
-    t_mult: float = field(default=1.0, metadata={"help": "factor to grow the length of each period"})
-    lr_period_updates: float = field(
-        default=-1, metadata={"help": "initial number of updates per period (default: --max-update minus warmup)"}
+    lr: PositiveFloat = field(default=0.25, metadata={"help": "same as --lr: the max learning rate, must be more than --min-lr"})
+    min_lr: NonNegativeFloat = field(default=0.0, metadata={"help": "min learning rate"})
+    # Periods shrinking (t_mult < 1) would end after a finite number of updates.
+    t_mult: Annotated[float, Field(ge=1)] = field(default=1.0, metadata={"help": "factor to grow the length of each period"})
+    lr_period_updates: Annotated[float, Field(ge=-1)] = field(
+        default=-1, metadata={"help": "initial number of updates per period; -1 or 0: --max-update minus warmup"}
     )
-    lr_shrink: float = field(default=0.1, metadata={"help": "shrink factor for annealing"})
-    max_update: int = field(default=0, metadata={"help": "same as --max-update"})
+    lr_shrink: Annotated[float, Field(gt=0, le=1)] = field(default=0.1, metadata={"help": "shrink factor for annealing"})
+    max_update: NonNegativeInt = field(default=0, metadata={"help": "same as --max-update"})
+
+    def __post_init__(self):
+        if self.lr <= self.min_lr:
+            raise ValueError(f"cosine needs --lr (={self.lr}) more than --min-lr (={self.min_lr})")
+        if self.lr_period_updates <= 0 and self.max_update <= self.warmup_updates:
+            raise ValueError(
+                "cosine needs --lr-period-updates > 0 or --max-update > --warmup-updates "
+                f"(got {self.max_update} and {self.warmup_updates})"
+            )
 
 
 @register_lr_scheduler("cosine", dataclass=CosineLRScheduleConfig)
 class CosineLRSchedule(BaseLRScheduler):
     def __init__(self, cfg: CosineLRScheduleConfig, optimizer):
         super().__init__(cfg, optimizer)
-        if cfg.lr <= cfg.min_lr:
-            raise UsageError(f"cosine needs --lr (={cfg.lr}) more than --min-lr (={cfg.min_lr})")
         self.period = cfg.lr_period_updates
         if self.period <= 0:
-            if cfg.max_update <= cfg.warmup_updates:
-                raise UsageError(
-                    "cosine needs --lr-period-updates > 0 or --max-update > --warmup-updates "
-                    f"(got {cfg.max_update} and {cfg.warmup_updates})"
-                )
             self.period = cfg.max_update - cfg.warmup_updates
         self.warmup_init_lr = cfg.warmup_init_lr if cfg.warmup_init_lr >= 0 else cfg.min_lr
         if cfg.warmup_updates > 0:

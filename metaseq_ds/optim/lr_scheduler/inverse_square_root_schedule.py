@@ -1,21 +1,24 @@
 """`inverse_sqrt`: linear warmup to --lr, then decay proportional to 1/sqrt(update)."""
 
 from dataclasses import dataclass, field
+from typing import Annotated
+
+from pydantic import Field
 
 from metaseq_ds.dataclass import MetaseqDataclass
-from metaseq_ds.errors import UsageError
+from metaseq_ds.dataclass.constraints import PositiveFloat, PositiveInt
 from metaseq_ds.optim.lr_scheduler import BaseLRScheduler, register_lr_scheduler
 
 
 @dataclass
 class InverseSquareRootLRScheduleConfig(MetaseqDataclass):
-    warmup_updates: int = field(
+    warmup_updates: PositiveInt = field(
         default=4000, metadata={"help": "warmup the learning rate linearly for the first N updates"}
     )
-    warmup_init_lr: float = field(
-        default=-1, metadata={"help": "initial learning rate during warmup phase; default is 0 (--lr without warmup)"}
+    warmup_init_lr: Annotated[float, Field(ge=-1)] = field(
+        default=-1, metadata={"help": "initial learning rate during warmup phase; -1: 0"}
     )
-    lr: float = field(default=0.25, metadata={"help": "same as --lr"})
+    lr: PositiveFloat = field(default=0.25, metadata={"help": "same as --lr"})
 
 
 @register_lr_scheduler("inverse_sqrt", dataclass=InverseSquareRootLRScheduleConfig)
@@ -24,8 +27,6 @@ class InverseSquareRootSchedule(BaseLRScheduler):
 
     def __init__(self, cfg: InverseSquareRootLRScheduleConfig, optimizer):
         super().__init__(cfg, optimizer)
-        if cfg.warmup_updates <= 0:
-            raise UsageError(f"--warmup-updates must be > 0 for inverse_sqrt (got {cfg.warmup_updates})")
         self.warmup_init_lr = cfg.warmup_init_lr if cfg.warmup_init_lr >= 0 else 0.0
         self.lr_step = (cfg.lr - self.warmup_init_lr) / cfg.warmup_updates
         self.decay_factor = cfg.lr * cfg.warmup_updates**0.5

@@ -4,25 +4,26 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from metaseq_ds.dataclass import MetaseqDataclass
+from metaseq_ds.dataclass.constraints import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from metaseq_ds.errors import UsageError
 from metaseq_ds.optim.lr_scheduler import BaseLRScheduler, register_lr_scheduler
 
 
 @dataclass
 class PolynomialDecayLRScheduleConfig(MetaseqDataclass):
-    warmup_updates: int = field(
+    warmup_updates: NonNegativeInt = field(
         default=0, metadata={"help": "warmup the learning rate linearly for the first N updates"}
     )
-    end_learning_rate: float = field(default=0.0, metadata={"help": "learning rate to decay to"})
-    zero_lr_warmup_steps: int = field(
+    end_learning_rate: NonNegativeFloat = field(default=0.0, metadata={"help": "learning rate to decay to"})
+    zero_lr_warmup_steps: NonNegativeInt = field(
         default=0,
         metadata={"help": "number of steps to run with lr = 0 in the beginning, before warmup_updates, to update EMAs"},
     )
-    power: float = field(default=1.0, metadata={"help": "decay exponent"})
-    total_num_update: Optional[int] = field(
+    power: PositiveFloat = field(default=1.0, metadata={"help": "decay exponent"})
+    total_num_update: Optional[PositiveInt] = field(
         default=None, metadata={"help": "total number of updates over which to decay learning rate (default: --max-update)"}
     )
-    lr: float = field(default=0.25, metadata={"help": "same as --lr"})
+    lr: PositiveFloat = field(default=0.25, metadata={"help": "same as --lr"})
 
 
 @register_lr_scheduler("polynomial_decay", dataclass=PolynomialDecayLRScheduleConfig)
@@ -35,10 +36,8 @@ class PolynomialDecayLRSchedule(BaseLRScheduler):
 
     def __init__(self, cfg: PolynomialDecayLRScheduleConfig, optimizer):
         super().__init__(cfg, optimizer)
-        if cfg.total_num_update is None or cfg.total_num_update <= 0:
-            raise UsageError(
-                f"polynomial_decay needs --total-num-update (or --max-update) > 0, got {cfg.total_num_update}"
-            )
+        if cfg.total_num_update is None:  # `mseq train` derives it from --max-update; a script must give it
+            raise UsageError("polynomial_decay needs --total-num-update (or --max-update)")
         self.step_update(0)
 
     def lr_at(self, num_updates: int) -> float:
