@@ -64,8 +64,6 @@ DEMO_MODEL_DEFAULTS = {  # only when --arch is not given either
 # metaseq flags whose FSDP/Megatron meaning has no separate switch here: accepted, explained once.
 METASEQ_ONLY_FLAGS = {
     "use_sharded_state": "DeepSpeed always saves per-rank ZeRO shards; --use-sharded-state is implied",
-    "num_workers": "data is read in the training process; --num-workers has no effect",
-    "data_buffer_size": "--data-buffer-size has no effect here",
     "memory_efficient_fp16": "--memory-efficient-fp16 means --fp16 here (DeepSpeed keeps fp32 master weights)",
     "memory_efficient_bf16": "--memory-efficient-bf16 means --bf16 here",
     "distributed_world_size": "the launcher sets the world size; --distributed-world-size is only checked",

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from metaseq_ds.cli.main import app
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"
-COMMANDS = ["train", "validate", "generate", "serve", "export", "import", "migrate", "reshard"]
+COMMANDS = ["train", "validate", "generate", "serve", "export", "import", "migrate", "reshard", "preprocess"]
 
 
 def _invoke(args):
@@ -35,8 +35,9 @@ def test_command_set_is_frozen():
 
 @pytest.mark.parametrize(
     "args", [[], ["validate"], ["generate"], ["serve"], ["export", "hf"], ["import", "hf"], ["import", "metaseq"],
-             ["migrate"], ["reshard"]],
-    ids=["mseq", "validate", "generate", "serve", "export_hf", "import_hf", "import_metaseq", "migrate", "reshard"],
+             ["migrate"], ["reshard"], ["preprocess"]],
+    ids=["mseq", "validate", "generate", "serve", "export_hf", "import_hf", "import_metaseq", "migrate", "reshard",
+         "preprocess"],
 )
 def test_help_snapshots(args):
     result = _invoke(args + ["--help"])

@@ -273,13 +273,15 @@ def test_every_numeric_option_of_the_other_commands_out_of_range_is_refused_firs
         sweep_command(tally, ["reshard", missing, str(tmp_path / "out")], "TargetLayout", name, int,
                       field_bounds(TargetLayout, name), extra=[] if name == "ranks" else ["--ranks", "2"])
         swept.add(("reshard", flag(name)))
+    sweep_command(tally, ["preprocess", str(tmp_path / "no_data")], "preprocess", "workers", int, [annotated_types.Ge(1)])
+    swept.add(("preprocess", "--workers"))
     assert swept == set(numeric_options(typer.main.get_command(app)))  # import has none; export's size is text
     assert not tally.failures, "\n".join(tally.failures)
     assert {key: EXEMPT.get(key) for key in tally.exempt} == {("GenerationOptions", "length_penalty"):
                                                               EXEMPT[("GenerationOptions", "length_penalty")]}
     assert source.read_text() == "from fairseq.models import FairseqDecoder\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plugin.py"] and not list(Path.cwd().iterdir())
-    print(f"\nmseq generate/validate/migrate/serve/reshard: {tally.fields} numeric options, {tally.values} values refused")
+    print(f"\nmseq generate/validate/migrate/serve/reshard/preprocess: {tally.fields} numeric options, {tally.values} values refused")
 
 
 @pytest.mark.parametrize("size", ["0", "0GB", "0.0001KB", "-1", "-1GB"])

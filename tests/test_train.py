@@ -83,6 +83,17 @@ def test_same_loss_curve_alone_under_deepspeed_zero3_and_with_update_freq(corpus
             assert abs(other[step] - loss) <= 1e-5 * abs(loss), (step, loss, other[step])
 
 
+def test_batches_prepared_by_dataloader_workers_train_and_validate_as_in_the_step(corpus):
+    common = [str(corpus), *TINY, "--max-update", "4", "--batch-size", "4", "--dropout", "0", "--attention-dropout", "0",
+              "--no-save", "--validate-interval-updates", "2"]
+    in_step = run(common + ["--data-buffer-size", "0"])
+    workers = run(common + ["--num-workers", "2", "--data-buffer-size", "4"])
+    assert len(losses(in_step.stdout)) == 4 and losses(workers.stdout) == losses(in_step.stdout)
+    valid = [[r["valid_loss"] for r in log_records(result.stdout, "valid")] for result in (in_step, workers)]
+    assert len(valid[0]) >= 2 and valid[1] == valid[0]
+    assert "num-workers" not in workers.stderr  # no longer a flag accepted without effect
+
+
 @pytest.mark.slow
 def test_torchrun_launch_trains(corpus, tmp_path):
     result = run([str(corpus), *TINY, "--max-update", "3", "--batch-size", "2", "--no-save", "--disable-validation"],

@@ -153,6 +153,23 @@ def migrate(
     run_guarded("migrate", runner.main, MigrateOptions(paths, diff, check, report, jobs, exclude, shell))
 
 
+@app.command()
+def preprocess(
+    data: str = typer.Argument(..., metavar="DATA", help="data directory in metaseq's layout: train/00/*.jsonl, valid/00/*.jsonl, ..."),
+    workers: Optional[int] = typer.Option(None, "--workers", min=1, help="tokenizing processes (default: this machine's CPUs)"),
+    hf_tokenizer: Optional[str] = typer.Option(None, "--hf-tokenizer", help="a Hugging Face tokenizer.json, as for mseq train"),
+    vocab_filename: Optional[str] = typer.Option(None, "--vocab-filename", help="GPT-2 BPE vocab.json (with --merges-filename)"),
+    merges_filename: Optional[str] = typer.Option(None, "--merges-filename", help="GPT-2 BPE merges.txt (with --vocab-filename)"),
+    end_of_document_symbol: str = typer.Option("</s>", "--end-of-document-symbol", help="token appended to every document"),
+    data_cache_dir: Optional[str] = typer.Option(None, "--data-cache-dir", help="where to keep the stores (default: DATA/.token_store)"),
+) -> None:
+    """Tokenize a corpus once into memory-mapped token stores (mseq train does it on first use)."""
+    from metaseq_ds.cli import preprocess as preprocess_module
+
+    run_guarded("preprocess", preprocess_module.main, data, workers, hf_tokenizer, vocab_filename, merges_filename,
+                end_of_document_symbol, data_cache_dir)
+
+
 export_app = typer.Typer(help="Convert our checkpoints to other formats.", no_args_is_help=True)
 import_app = typer.Typer(help="Convert other formats to our checkpoints (weights only, update 0).", no_args_is_help=True)
 app.add_typer(export_app, name="export")

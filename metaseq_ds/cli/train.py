@@ -94,6 +94,7 @@ def main(cfg) -> None:
     epoch_itr = task.get_batch_iterator(
         split="train", batch_size=cfg.dataset.batch_size, seed=cfg.common.seed,
         num_shards=dp_size, shard_id=dp_rank, epoch=1,
+        num_workers=cfg.dataset.num_workers, data_buffer_size=cfg.dataset.data_buffer_size,
     )
     checkpoints.restore(plan, trainer, epoch_itr)
 
@@ -188,6 +189,7 @@ def _validate(cfg, task, trainer, epoch, sink):
         itr = task.get_batch_iterator(
             split=subset, batch_size=cfg.dataset.batch_size_valid or cfg.dataset.batch_size, seed=cfg.common.seed,
             num_shards=trainer.data_parallel_size, shard_id=trainer.data_parallel_rank, epoch=1,
+            num_workers=cfg.dataset.num_workers, data_buffer_size=cfg.dataset.data_buffer_size,
         ).next_epoch_itr()
         stats = trainer.valid_loss(itr, cfg.dataset.max_valid_steps)
         results[subset] = stats

@@ -8,8 +8,6 @@ OPT's 50272.
 
 from typing import Dict, Iterable, List
 
-import torch
-
 SPECIAL_SYMBOLS = ("<s>", "<pad>", "</s>", "<unk>")  # ids 0, 1, 2, 3
 
 
@@ -73,6 +71,6 @@ class Dictionary:
 
     def string(self, ids, separator: str = " ") -> str:
         """The symbols of `ids` (a list or 1-D tensor) without padding, joined by `separator`."""
-        if torch.is_tensor(ids):
+        if hasattr(ids, "tolist"):  # a tensor (this module does not import torch: see data/__init__.py)
             ids = ids.tolist()
         return separator.join(self[i] for i in ids if i != self.pad_index)

@@ -9,11 +9,13 @@ validation fills it up with empty rows, so every rank runs the same number of ba
 (ranks must run forward in lockstep under ZeRO-3).
 
 `EpochBatchIterator` keeps fairseq's interface (`next_epoch_itr`, `epoch`,
-`iterations_in_epoch`, `end_of_epoch`, `state_dict`/`load_state_dict`). Resuming regenerates
-the epoch's sample stream and skips the batches already taken, without collating them.
+`iterations_in_epoch`, `end_of_epoch`, `state_dict`/`load_state_dict`). `RankBatches` makes
+micro-batch j of a rank from the samples of its rows alone, read by index, so resuming at
+batch j is a seek. `rank_rows` and `collated_batches` state the same split over a stream read
+front to back: they are the definition `RankBatches` is tested against.
 """
 
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -21,6 +23,47 @@ from metaseq_ds.errors import UsageError
 
 # A row of a rank's micro-batch: (sample id within the epoch, tokens or None for a filler row).
 Row = Tuple[int, Optional[np.ndarray]]
+
+
+class RankBatches:
+    """One rank's collated micro-batches of one epoch, by number, from batch `first` on.
+
+    Item k is micro-batch `first + k`: the rank's `batch_size` rows of that global micro-batch,
+    each read from `samples` by index (ids past the end are filler rows when `fill_last`).
+    A map-style dataset, so a torch DataLoader can spread the items over worker processes.
+    """
+
+    def __init__(
+        self,
+        samples: Sequence[np.ndarray],
+        batch_size: int,
+        num_shards: int,
+        shard_id: int,
+        fill_last: bool,
+        collate: Callable[[List[Row]], Dict[str, Any]],
+        first: int,
+        what: str,
+    ):
+        if not 0 <= shard_id < num_shards:
+            raise ValueError(f"shard_id {shard_id} is not in [0, {num_shards})")
+        self.samples, self.collate = samples, collate
+        self.batch_size, self.first = batch_size, first
+        self.global_size = batch_size * num_shards
+        self.offset = shard_id * batch_size
+        count = len(samples) // self.global_size if not fill_last else -(-len(samples) // self.global_size)
+        if count == 0:
+            raise _no_full_batch(what)
+        self.count = count
+
+    def __len__(self) -> int:
+        return max(self.count - self.first, 0)
+
+    def __getitem__(self, index: int) -> Dict[str, Any]:
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        start = (self.first + index) * self.global_size + self.offset
+        ids = range(start, start + self.batch_size)
+        return self.collate([(i, self.samples[i] if i < len(self.samples) else None) for i in ids])
 
 
 def rank_rows(
@@ -127,18 +170,20 @@ class EpochBatchIterator:
 
 
 def collated_batches(rows: Iterator[List[Row]], skip: int, collate: Callable[[List[Row]], Dict[str, Any]], what: str) -> Iterator[Dict[str, Any]]:
-    """Collate the rank's rows after dropping the first `skip` micro-batches uncollated.
-
-    An epoch that yields no batch at all would make training loop forever over empty epochs,
-    so that is a UsageError naming `what` (the split and epoch).
-    """
+    """Collate the rank's rows after dropping the first `skip` micro-batches uncollated;
+    a UsageError naming `what` (the split and epoch) if there is none at all."""
     produced = 0
     for index, batch_rows in enumerate(rows):
         produced += 1
         if index >= skip:
             yield collate(batch_rows)
     if produced == 0:
-        raise UsageError(
-            f"{what} yields no full micro-batch: it has fewer samples than --batch-size x ranks; "
-            "use more data or a smaller --batch-size / --tokens-per-sample"
-        )
+        raise _no_full_batch(what)
+
+
+def _no_full_batch(what: str) -> UsageError:
+    """An epoch that yields no batch at all would make training loop forever over empty epochs."""
+    return UsageError(
+        f"{what} yields no full micro-batch: it has fewer samples than --batch-size x ranks; "
+        "use more data or a smaller --batch-size / --tokens-per-sample"
+    )

@@ -9,7 +9,6 @@ file is one JSON object whose "text" field is a document. Files are indexed (byt
 every line) on first use and read line by line on demand, so corpora may exceed memory.
 """
 
-import json
 from array import array
 from pathlib import Path
 from typing import List, Optional, Tuple
@@ -18,6 +17,7 @@ import numpy as np
 import torch
 
 from metaseq_ds.data.base_dataset import BaseDataset
+from metaseq_ds.data.jsonl_record import MalformedLine, document_text
 from metaseq_ds.errors import UsageError
 
 
@@ -52,14 +52,10 @@ class JsonlDataset(BaseDataset):
         with open(self.path, "rb") as f:
             f.seek(int(self._offsets[index]))
             line = f.readline()
-        where = f"{self.path}:{self._line_numbers[index]}"
         try:
-            record = json.loads(line)
-        except ValueError as error:  # JSONDecodeError and UnicodeDecodeError
-            raise UsageError(f"{where}: not a JSON object ({str(error).splitlines()[0]})") from None
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise UsageError(f'{where}: needs a JSON object with a "text" string field')
-        return record["text"]
+            return document_text(line)
+        except MalformedLine as error:
+            raise UsageError(f"{self.path}:{self._line_numbers[index]}: {error}") from None
 
 
 class JsonlSplit:
@@ -79,12 +75,17 @@ class JsonlSplit:
         """The texts of the shard that `epoch` reads: its jsonl files in name order, concatenated."""
         shard = self.shard_for_epoch(epoch)
         if self._documents is None or self._documents[0] != shard:
-            files = [JsonlDataset(path) for path in sorted(shard.glob("*.jsonl"))]
+            files = [JsonlDataset(path) for path in shard_files(shard)]
             documents = torch.utils.data.ConcatDataset(files)
             if len(documents) == 0:
                 raise UsageError(f"{shard} holds no documents: its *.jsonl files have no non-blank lines")
             self._documents = (shard, documents)
         return self._documents[1]
+
+
+def shard_files(shard: Path) -> List[Path]:
+    """The jsonl files of a shard directory in the order their documents are concatenated."""
+    return sorted(shard.glob("*.jsonl"))
 
 
 def check_data_dir(data: Path) -> Path:

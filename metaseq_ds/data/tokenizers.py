@@ -1,11 +1,13 @@
 """Text <-> token ids: the byte tokenizer (needs no files) and GPT-2 byte BPE (metaseq's).
 
-All tokenizers share one small interface: `encode(text) -> List[int]`, `decode(ids) -> str`,
-`vocab_size`, `token_to_id(symbol)`, `id_to_token(id)`; and all put `<s>`, `<pad>`, `</s>`,
-`<unk>` at ids 0..3, as OPT's vocabulary does. `build_tokenizer` picks one from the task's
+All tokenizers share one small interface: `encode(text) -> List[int]`, `encode_batch(texts)`,
+`decode(ids) -> str`, `vocab_size`, `token_to_id(symbol)`, `id_to_token(id)`, `fingerprint()`
+(what a token store records, so that ids from another tokenizer are never misread); and all
+put `<s>`, `<pad>`, `</s>`, `<unk>` at ids 0..3, as OPT's vocabulary does. `build_tokenizer` picks one from the task's
 flags: `--hf-tokenizer` > `--vocab-filename` + `--merges-filename` > the byte tokenizer.
 """
 
+import hashlib
 from pathlib import Path
 from typing import List, Optional, Sequence
 
@@ -28,6 +30,12 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> List[int]:
         return [self.offset + b for b in text.encode("utf-8")]
+
+    def encode_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        return [self.encode(text) for text in texts]
+
+    def fingerprint(self) -> str:
+        return f"bytes+{self.offset}"
 
     def decode(self, ids: Sequence[int]) -> str:
         data = bytes(i - self.offset for i in ids if self.offset <= i < self.vocab_size)
@@ -58,6 +66,7 @@ class HuggingFaceTokenizer:
     def __init__(self, tokenizer, source: str):
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.get_vocab_size()
+        self._fingerprint: Optional[str] = None
         for idx, spellings in enumerate(_SPECIAL_SPELLINGS):
             found = tokenizer.id_to_token(idx)
             if found not in spellings:
@@ -68,6 +77,17 @@ class HuggingFaceTokenizer:
 
     def encode(self, text: str) -> List[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        """`encode` of each text; the Rust library spreads a batch over its threads
+        (TOKENIZERS_PARALLELISM=false keeps it on one)."""
+        return [encoding.ids for encoding in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+
+    def fingerprint(self) -> str:
+        """A hash of the whole serialized tokenizer: vocabulary, merges, normalizer, pre-tokenizer."""
+        if self._fingerprint is None:
+            self._fingerprint = "sha256:" + hashlib.sha256(self.tokenizer.to_str().encode("utf-8")).hexdigest()
+        return self._fingerprint
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode([i for i in ids if i < self.vocab_size], skip_special_tokens=True)

@@ -90,13 +90,18 @@ class DistributedTrainingConfig(MetaseqDataclass):
 class DatasetConfig(MetaseqDataclass):
     batch_size: PositiveInt = field(default=8, metadata={"help": "sequences per micro-batch on each rank"})
     batch_size_valid: Optional[PositiveInt] = field(default=None, metadata={"help": "validation batch size (default: --batch-size)"})
-    num_workers: NonNegativeInt = field(default=0, metadata={"help": "metaseq flag; data is read in the training process here"})
+    num_workers: NonNegativeInt = field(
+        default=0,
+        metadata={"help": "DataLoader worker processes preparing batches ahead of the step (0: a background thread)"},
+    )
     valid_subset: str = field(default="valid", metadata={"help": "comma-separated validation splits"})
     validate_interval: PositiveInt = field(default=1, metadata={"help": "validate every N epochs"})
     validate_interval_updates: NonNegativeInt = field(default=0, metadata={"help": "validate every N updates (0: off)"})
     disable_validation: bool = field(default=False, metadata={"help": "never validate"})
     max_valid_steps: Optional[PositiveInt] = field(default=None, metadata={"help": "at most N validation batches per split"})
-    data_buffer_size: NonNegativeInt = field(default=10, metadata={"help": "metaseq flag; accepted, no effect here"})
+    data_buffer_size: NonNegativeInt = field(
+        default=10, metadata={"help": "batches prepared ahead of the step (0: each made when the step asks)"}
+    )
     demo: bool = field(
         default=False,
         metadata={"help": "train on the embedded demo corpus (Python's standard library sources, written to "

@@ -32,8 +32,10 @@ class BaseTask:
             raise KeyError(f"dataset not loaded: {split}")
         return self.datasets[split]
 
-    def get_batch_iterator(self, split: str, batch_size: int, seed: int = 1, num_shards: int = 1, shard_id: int = 0, epoch: int = 1):
-        """An `EpochBatchIterator` over this rank's micro-batches of `split`."""
+    def get_batch_iterator(self, split: str, batch_size: int, seed: int = 1, num_shards: int = 1, shard_id: int = 0,
+                           epoch: int = 1, num_workers: int = 0, data_buffer_size: int = 0):
+        """An `EpochBatchIterator` over this rank's micro-batches of `split`; `num_workers` and
+        `data_buffer_size` (metaseq's flags) say how batches are prepared ahead of the step."""
         raise NotImplementedError(f"{type(self).__name__} must define get_batch_iterator")
 
     def build_model(self, model_cfg: Any):

@@ -1,4 +1,4 @@
-"""metaseq's `streaming_language_modeling` task: train a decoder LM on jsonl text, tokenized on the fly.
+"""metaseq's `streaming_language_modeling` task: train a decoder LM on jsonl text.
 
     mseq train DATA --task streaming_language_modeling --tokens-per-sample 1024 \
         --vocab-filename gpt2-vocab.json --merges-filename gpt2-merges.txt
@@ -10,6 +10,12 @@ shuffled per epoch and cut into samples by `--sample-break-mode`, and the batch 
 splits global micro-batches across ranks so that the data order never depends on the number
 of ranks or on --update-freq (which metaseq refused with streaming data; here it just works).
 
+Loading a split tokenizes each of its shards once into a token store (beside the data, or in
+`--data-cache-dir`; `mseq preprocess` does it ahead of time): see `metaseq_ds.data.token_store`.
+Samples are then read by index (`metaseq_ds.data.sample_index`): each rank reads only its rows,
+a resumed run seeks to its batch, and a background thread (or DataLoader workers) prepares
+the next batches while the step runs (`metaseq_ds.data.prefetch`).
+
 Left out of metaseq's config: the multi-corpus sampling flags (`multicorpus_sampling_*`,
 `data_sampling_prob`), `data_subshard_count`, and the CM3 objective; `max_source_positions` /
 `max_target_positions` belong to the model (its `max_target_positions` defaults to
@@ -20,27 +26,25 @@ import logging
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Literal, Optional
+from typing import List, Literal, Optional
 
 import numpy as np
 
-from metaseq_ds.data import (
-    DocumentToSequenceDataset,
-    Dictionary,
-    EpochBatchIterator,
-    JsonlSplit,
-    build_demo_corpus,
-    build_tokenizer,
-    collate_blocks,
-)
-from metaseq_ds.data.iterators import collated_batches, rank_rows
-from metaseq_ds.data.jsonl import check_data_dir
+from metaseq_ds.data import Dictionary, EpochBatchIterator, build_demo_corpus, build_tokenizer, collate_blocks
+from metaseq_ds.data.iterators import RankBatches
+from metaseq_ds.data.jsonl import check_data_dir, shard_dirs
+from metaseq_ds.data.prefetch import background_batches
+from metaseq_ds.data.sample_index import IndexedSamples
+from metaseq_ds.data.store_builder import default_workers
+from metaseq_ds.data.token_store import TokenStore, open_store, store_root
 from metaseq_ds.dataclass import MetaseqDataclass
 from metaseq_ds.dataclass.constraints import PositiveInt, Seed
 from metaseq_ds.errors import UsageError
 from metaseq_ds.tasks import LegacyTask, register_task
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_DATA_BUFFER_SIZE = 10  # metaseq's --data-buffer-size default
 
 
 @dataclass
@@ -73,6 +77,11 @@ class StreamingLanguageModelingConfig(MetaseqDataclass):
     seed: Seed = field(default=1, metadata={"help": "same as --seed: the data order depends on it"})
     batch_size: PositiveInt = field(default=8, metadata={"help": "same as --batch-size"})
     batch_size_valid: Optional[PositiveInt] = field(default=None, metadata={"help": "same as --batch-size-valid"})
+    data_cache_dir: Optional[str] = field(
+        default=None,
+        metadata={"help": "where the token stores (each shard tokenized once, memory-mapped) are kept "
+                  "(default: DATA/.token_store, beside the data; use this if DATA is read-only)"},
+    )
 
 
 @register_task("streaming_language_modeling", dataclass=StreamingLanguageModelingConfig)
@@ -115,18 +124,27 @@ class StreamingLanguageModelingTask(LegacyTask):
         return np.array(self.tokenizer.encode(text.rstrip()) + [self.eod], dtype=np.int64)
 
     def load_dataset(self, split: str, epoch: int = 1, **kwargs) -> None:
-        """Index `split` ("train", "valid", "valid/<name>"); the dataset serves every epoch's shard."""
-        jsonl = JsonlSplit(self.data_dir, split)
-        jsonl.documents(epoch)  # index now, so that a bad layout fails before training starts
+        """Open `split` ("train", "valid", "valid/<name>"): the token stores of all its shards,
+        built now where missing, so that a bad line fails before training starts and no later
+        epoch waits for tokenization."""
         training = split == "train"
-        self.datasets[split] = DocumentToSequenceDataset(
-            jsonl.documents,
-            self.tokenize,
+        self.datasets[split] = IndexedSamples(
+            self.token_stores(split),
             block_size=self.args.tokens_per_sample + 1,  # +1: the last input token needs a target
             break_mode=self.args.sample_break_mode,
             shuffle=training,
             drop_last=training,
         )
+
+    def token_stores(self, split: str, workers: Optional[int] = None) -> List[TokenStore]:
+        """One token store per shard of `split`, in shard order (see `token_store`)."""
+        return [self.token_store(split, shard, workers) for shard in shard_dirs(self.data_dir, split)]
+
+    def token_store(self, split: str, shard: Path, workers: Optional[int] = None, progress=None) -> TokenStore:
+        """The token store of one shard directory of `split`, built if missing by `workers`
+        processes (default: this machine's CPUs), which report jsonl bytes done to `progress`."""
+        root = store_root(self.data_dir, self.args.data_cache_dir)
+        return open_store(root, split, shard, self.tokenizer, self.eod, workers or default_workers(), progress)
 
     def get_batch_iterator(
         self,
@@ -136,11 +154,15 @@ class StreamingLanguageModelingTask(LegacyTask):
         num_shards: int = 1,
         shard_id: int = 0,
         epoch: int = 1,
+        num_workers: int = 0,
+        data_buffer_size: int = DEFAULT_DATA_BUFFER_SIZE,
     ) -> EpochBatchIterator:
         """This rank's micro-batches of `split` (loaded on first use), from `epoch` on.
 
         batch_size: rows per rank (default --batch-size; --batch-size-valid for other splits);
         seed: the data-order seed (default --seed). See `metaseq_ds.data.iterators`.
+        num_workers, data_buffer_size: how batches are prepared ahead (metaseq's flags; see
+        `metaseq_ds.data.prefetch`): 0 workers is a background thread, 0 buffer none.
         """
         if split not in self.datasets:
             self.load_dataset(split, epoch=epoch)
@@ -154,8 +176,11 @@ class StreamingLanguageModelingTask(LegacyTask):
         )
 
         def batches_for_epoch(epoch: int, skip: int):
-            rows = rank_rows(dataset.samples(epoch, seed), batch_size, num_shards, shard_id, fill_last=not training)
-            return collated_batches(rows, skip, collate, what=f"split {split!r} (epoch {epoch})")
+            def rank_batches() -> RankBatches:
+                return RankBatches(dataset.epoch(epoch, seed), batch_size, num_shards, shard_id, fill_last=not training,
+                                   collate=collate, first=skip, what=f"split {split!r} (epoch {epoch})")
+
+            return background_batches(rank_batches, num_workers, data_buffer_size)
 
         return EpochBatchIterator(batches_for_epoch, epoch=epoch)
 

@@ -77,12 +77,23 @@ def _pack_whole_documents(documents: Iterable[np.ndarray], block_size: int) -> I
         yield np.concatenate(block)
 
 
+def document_order(count: int, epoch: int, seed: int, shuffle: bool) -> np.ndarray:
+    """The order in which an epoch visits its `count` documents: shuffled by (seed, epoch), or as stored."""
+    if not shuffle:
+        return np.arange(count)
+    return np.random.default_rng([seed % 2**32, epoch]).permutation(count)
+
+
 class DocumentToSequenceDataset:
     """The sample stream of one split: an epoch's documents, tokenized on the fly, cut into blocks.
 
     The stream depends only on the documents, the tokenizer, the epoch, the seed, the block
     size and the break mode: never on the number of ranks or the batch size, so that runs
     with different parallelism see the same data in the same order.
+
+    This is the definition of the stream, read front to back (metaseq's dataset name, for
+    code that builds one). The task reads the same samples by index from a token store
+    (`metaseq_ds.data.sample_index`); tests and `benchmarks/data.py` compare the two.
     """
 
     def __init__(
@@ -104,10 +115,7 @@ class DocumentToSequenceDataset:
         self.drop_last = drop_last
 
     def document_order(self, epoch: int, seed: int) -> np.ndarray:
-        count = len(self.documents_for_epoch(epoch))
-        if not self.shuffle:
-            return np.arange(count)
-        return np.random.default_rng([seed % 2**32, epoch]).permutation(count)
+        return document_order(len(self.documents_for_epoch(epoch)), epoch, seed, self.shuffle)
 
     def samples(self, epoch: int, seed: int) -> Iterator[np.ndarray]:
         documents = self.documents_for_epoch(epoch)
