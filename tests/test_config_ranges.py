@@ -28,6 +28,7 @@ from typer.testing import CliRunner
 
 from launch import env
 from metaseq_ds.cli.main import app
+from metaseq_ds.cli.preprocess import PreprocessOptions
 from metaseq_ds.dataclass import FIXED_SECTIONS, DatasetConfig, MetaseqConfig
 from metaseq_ds.dataclass.constraints import Bound, field_bounds, field_types, item_type, plain_type
 from metaseq_ds.errors import UsageError
@@ -273,7 +274,8 @@ def test_every_numeric_option_of_the_other_commands_out_of_range_is_refused_firs
         sweep_command(tally, ["reshard", missing, str(tmp_path / "out")], "TargetLayout", name, int,
                       field_bounds(TargetLayout, name), extra=[] if name == "ranks" else ["--ranks", "2"])
         swept.add(("reshard", flag(name)))
-    sweep_command(tally, ["preprocess", str(tmp_path / "no_data")], "preprocess", "workers", int, [annotated_types.Ge(1)])
+    sweep_command(tally, ["preprocess", str(tmp_path / "no_data")], "PreprocessOptions", "workers", int,
+                  field_bounds(PreprocessOptions, "workers"))
     swept.add(("preprocess", "--workers"))
     assert swept == set(numeric_options(typer.main.get_command(app)))  # import has none; export's size is text
     assert not tally.failures, "\n".join(tally.failures)

@@ -50,3 +50,14 @@ def test_table_and_resolver_import_without_torch():
             "migrate.resolve.ModuleIndex().translate('fairseq.models.FairseqDecoder')\n"
             "assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_lazily_importing_package_declares_its_names_for_readers_of_the_source():
+    """metaseq_ds.data imports its names on first use; the resolver of `mseq migrate` (which reads
+    the source, not the module) must still find every one of them."""
+    import metaseq_ds.data as data
+    from migrate.resolve import ModuleIndex
+
+    assert sorted(data.__all__) == sorted(data._MODULE_OF)
+    found = ModuleIndex().names("metaseq_ds.data")
+    assert [name for name in data.__all__ if name not in found] == []

@@ -12,6 +12,7 @@ from typing import List, Optional
 import typer
 
 from metaseq_ds import __version__
+from metaseq_ds.cli.preprocess import PreprocessOptions
 from metaseq_ds.dataclass.configs import DatasetConfig  # pydantic only, as the two below
 from metaseq_ds.dataclass.constraints import describe_range
 from metaseq_ds.errors import UsageError
@@ -156,7 +157,8 @@ def migrate(
 @app.command()
 def preprocess(
     data: str = typer.Argument(..., metavar="DATA", help="data directory in metaseq's layout: train/00/*.jsonl, valid/00/*.jsonl, ..."),
-    workers: Optional[int] = typer.Option(None, "--workers", min=1, help="tokenizing processes (default: this machine's CPUs)"),
+    workers: Optional[int] = typer.Option(
+        None, "--workers", help="tokenizing processes (default: this machine's CPUs)" + describe_range(PreprocessOptions, "workers")),
     hf_tokenizer: Optional[str] = typer.Option(None, "--hf-tokenizer", help="a Hugging Face tokenizer.json, as for mseq train"),
     vocab_filename: Optional[str] = typer.Option(None, "--vocab-filename", help="GPT-2 BPE vocab.json (with --merges-filename)"),
     merges_filename: Optional[str] = typer.Option(None, "--merges-filename", help="GPT-2 BPE merges.txt (with --vocab-filename)"),

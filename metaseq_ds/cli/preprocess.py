@@ -10,12 +10,26 @@ table of what is stored where. A run given the same data, tokenizer flags and
 """
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+from metaseq_ds.dataclass.constraints import PositiveInt
+
+
+@dataclass(frozen=True)
+class PreprocessOptions:
+    """The numbers `mseq preprocess` takes, each range declared once (check, --help, error)."""
+
+    workers: Optional[PositiveInt] = None  # None: this machine's CPUs
 
 
 def main(data: str, workers: Optional[int], hf_tokenizer: Optional[str], vocab_filename: Optional[str],
          merges_filename: Optional[str], end_of_document_symbol: str, data_cache_dir: Optional[str]) -> None:
+    from metaseq_ds.dataclass import validate_value
+
+    if workers is not None:
+        validate_value(PreprocessOptions, "workers", workers, "--workers")
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
     from rich.table import Table

@@ -10,6 +10,17 @@ a second instead of the seconds torch takes.
 """
 
 import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the same names, for readers of the source: type checkers and `mseq migrate`'s resolver
+    from metaseq_ds.data import iterators
+    from metaseq_ds.data.base_dataset import BaseDataset
+    from metaseq_ds.data.break_modes import BREAK_MODES, DocumentToSequenceDataset, collate_blocks, document_blocks
+    from metaseq_ds.data.demo_corpus import build_demo_corpus, default_demo_dir, unigram_entropy
+    from metaseq_ds.data.dictionary import SPECIAL_SYMBOLS, Dictionary
+    from metaseq_ds.data.iterators import CountingIterator, EpochBatchIterator
+    from metaseq_ds.data.jsonl import JsonlDataset, JsonlSplit, list_splits, shard_dirs
+    from metaseq_ds.data.tokenizers import ByteTokenizer, HuggingFaceTokenizer, build_tokenizer
 
 _MODULE_OF = {
     "iterators": None,  # the submodule itself
@@ -34,7 +45,13 @@ _MODULE_OF = {
     "build_tokenizer": "tokenizers",
 }
 
-__all__ = sorted(_MODULE_OF)
+__all__ = [  # _MODULE_OF's names, written out so that pyflakes sees the imports above used
+    "BREAK_MODES", "BaseDataset", "ByteTokenizer", "CountingIterator", "Dictionary",
+    "DocumentToSequenceDataset", "EpochBatchIterator", "HuggingFaceTokenizer", "JsonlDataset",
+    "JsonlSplit", "SPECIAL_SYMBOLS", "build_demo_corpus", "build_tokenizer", "collate_blocks",
+    "default_demo_dir", "document_blocks", "iterators", "list_splits", "shard_dirs",
+    "unigram_entropy",
+]
 
 
 def __getattr__(name: str):
