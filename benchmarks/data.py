@@ -9,10 +9,13 @@ metaseq's jsonl layout) with a GPT-2-sized byte BPE trained here on it with Hugg
 `tokenizers` (50,000 merges; given to `mseq` as --vocab-filename/--merges-filename):
 
 (a) build: MB/s of jsonl and tokens/s of a token store build (`open_store`, as `mseq preprocess`
-    and `mseq train` run it) with --workers 1 (in this process; the tokenizers library's batch
-    encoding on its Rust threads) and --workers 2 (processes of one thread each), against a
-    single-threaded loop of `tokenizer.encode` over the same lines (JSON parsing included on
-    all sides); `--repeats` runs of each, in turn, medians. Target: >= 1.8x on 2 cores.
+    and `mseq train` run it, each run with a freshly loaded tokenizer) with --workers 1 (in this
+    process) and --workers 2 (processes of one thread each), against a single-threaded loop of
+    `tokenizer.encode` over the same lines (JSON parsing included on all sides); `--repeats`
+    runs of each, in turn, medians. Target: >= 1.8x on 2 cores. The generated text is ASCII,
+    so every document takes the exact ASCII fast path of byte-level BPE
+    (`metaseq_ds.data.bytelevel_ascii`); documents with other characters take the tokenizers
+    library's batch encoding (on its Rust threads with --workers 1), about 1.7x the loop on 2 cores.
 (b) resume: seconds from a fresh task to the first batch at iteration 0 and at iteration
     `--resume-iteration` of an epoch (batch 1, --tokens-per-sample 256), for the indexed path
     and for the path before the token store (the stream tokenized front to back and skipped,
@@ -21,7 +24,9 @@ metaseq's jsonl layout) with a GPT-2-sized byte BPE trained here on it with Hugg
 (c) train: `mseq train` on the whole corpus (>= 200 MB of jsonl by default) logs wps; the same
     model's `Trainer.train_step` on batches already in memory gives the train_step-only wps.
     Pairs of runs alternate (step-only then train, train then step-only, ...) so that load on a
-    shared machine hits both alike; the ratio is the median over the pairs. Target: within 3%.
+    shared machine hits both alike; the ratio is the median over the pairs. Target: mseq train no
+    more than 3% below train_step only (above it is noise between the two processes: the data
+    path cannot make a step faster).
 """
 
 import argparse
@@ -152,7 +157,8 @@ def bench_build(data: Path, vocab: Path, merges: Path, megabytes: int, workdir: 
     def build(count: int) -> int:
         root = workdir / f"build_store_{count}"
         shutil.rmtree(root, ignore_errors=True)
-        tokens = open_store(root, "train", shard, tokenizer, eod, workers=count).meta["tokens"]
+        fresh = make_task(shard.parent.parent, vocab, merges).tokenizer  # no pieces cached by an earlier run (load time counted)
+        tokens = open_store(root, "train", shard, fresh, eod, workers=count).meta["tokens"]
         shutil.rmtree(root)
         return tokens
 
@@ -324,7 +330,9 @@ def bench_train(data: Path, vocab: Path, merges: Path, args, workdir: Path) -> D
     print("| pair | train_step only wps | mseq train wps | ratio |\n|---|---|---|---|")
     for index, (pair, pair_ratio) in enumerate(zip(pairs, ratios), start=1):
         print(f"| {index} | {pair['train_step only']:,.0f} | {pair['mseq train']:,.0f} | {pair_ratio:.3f} |")
-    print(f"mseq train / train_step only, median of {len(pairs)} pairs = {ratio:.3f} ({(ratio - 1) * 100:+.1f}%; target within 3%)")
+    verdict = "meets" if ratio >= 0.97 else "misses"
+    print(f"mseq train / train_step only, median of {len(pairs)} pairs = {ratio:.3f} ({(ratio - 1) * 100:+.1f}%; {verdict} the "
+          "target: no more than 3% below, i.e. the step never waits on data)")
     return {"pairs": pairs, "ratios": ratios, "ratio": ratio}
 
 

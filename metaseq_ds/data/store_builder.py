@@ -2,8 +2,9 @@
 
 The files are cut into line-aligned chunks of about `CHUNK_BYTES`; worker processes each read
 a chunk, parse its lines and encode the documents with the tokenizer's batch encoding (one
-thread per process, so N processes use N cores: the JSON parsing and the list -> array
-conversion are Python work that threads would serialize). The calling process writes the
+thread per process, so N processes use N cores: the JSON parsing, the list -> array
+conversion and the exact ASCII fast path of byte-level BPE (`bytelevel_ascii`) are Python
+work that threads would serialize). The calling process writes the
 chunks' tokens in order, so the store's document order is the files' line order whatever the
 number of workers. With one worker everything runs in the calling process.
 
@@ -66,7 +67,8 @@ class BadLine:
     problem: str
 
 
-def line_aligned_chunks(path: Path, chunk_bytes: int = CHUNK_BYTES) -> List[Chunk]:
+def line_aligned_chunks(path: Path, chunk_bytes: Optional[int] = None) -> List[Chunk]:
+    chunk_bytes = chunk_bytes or CHUNK_BYTES  # read at call time, so that tests can make chunks small
     size = path.stat().st_size
     bounds = [0]
     with open(path, "rb") as f:

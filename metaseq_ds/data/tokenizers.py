@@ -11,6 +11,7 @@ import hashlib
 from pathlib import Path
 from typing import List, Optional, Sequence
 
+from metaseq_ds.data.bytelevel_ascii import AsciiByteLevelEncoder
 from metaseq_ds.data.dictionary import SPECIAL_SYMBOLS
 from metaseq_ds.errors import UsageError
 
@@ -67,6 +68,7 @@ class HuggingFaceTokenizer:
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.get_vocab_size()
         self._fingerprint: Optional[str] = None
+        self._ascii = AsciiByteLevelEncoder.for_tokenizer(tokenizer)
         for idx, spellings in enumerate(_SPECIAL_SPELLINGS):
             found = tokenizer.id_to_token(idx)
             if found not in spellings:
@@ -79,9 +81,16 @@ class HuggingFaceTokenizer:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: Sequence[str]) -> List[List[int]]:
-        """`encode` of each text; the Rust library spreads a batch over its threads
-        (TOKENIZERS_PARALLELISM=false keeps it on one)."""
-        return [encoding.ids for encoding in self.tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+        """`encode` of each text: ASCII texts of a GPT-2 style byte BPE by the exact fast path
+        (`bytelevel_ascii`), the others by the Rust library, which spreads a batch over its
+        threads (TOKENIZERS_PARALLELISM=false keeps it on one)."""
+        encoded = self._ascii.encode_batch(texts) if self._ascii is not None else [None] * len(texts)
+        rest = [i for i, ids in enumerate(encoded) if ids is None]
+        if rest:
+            encodings = self.tokenizer.encode_batch([texts[i] for i in rest], add_special_tokens=False)
+            for i, encoding in zip(rest, encodings):
+                encoded[i] = encoding.ids
+        return encoded
 
     def fingerprint(self) -> str:
         """A hash of the whole serialized tokenizer: vocabulary, merges, normalizer, pre-tokenizer."""
