@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import metaseq_ds.data.store_builder as store_builder
-from data_fixtures import make_task, train_bpe, write_jsonl
+from data_fixtures import document, make_task, train_bpe, write_jsonl
 from metaseq_ds.data import DocumentToSequenceDataset, JsonlSplit
 from metaseq_ds.data.iterators import RankBatches, collated_batches, rank_rows
 from metaseq_ds.data.prefetch import background_batches
@@ -267,6 +267,20 @@ def test_parallel_build_writes_the_same_store_as_one_process(tmp_path, monkeypat
     assert np.array_equal(serial.offsets, parallel.offsets) and np.array_equal(serial.tokens, parallel.tokens)
     documents = JsonlSplit(data, "train").documents(1)
     assert [parallel.document(d).tolist() for d in (0, 77, 199)] == [task.tokenize(documents[d]).tolist() for d in (0, 77, 199)]
+
+
+def test_a_parallel_gpt2_bpe_build_holds_what_the_tokenizer_encodes(tmp_path, monkeypatch):
+    """Worker processes take the ASCII fast path of byte-level BPE (`bytelevel_ascii`) on their
+    own, each with its own cache; documents with other characters go to the library."""
+    monkeypatch.setattr(store_builder, "CHUNK_BYTES", 2000)
+    vocab, merges, _ = train_bpe(tmp_path / "bpe")
+    data = tmp_path / "data"
+    docs = [document(n) + ("" if n % 7 else " caf\u00e9 </s> \u4e2d") + ("  it's 42!\n" if n % 3 else "") for n in range(120)]
+    write_jsonl(data / "train" / "00" / "a.jsonl", docs)
+    task = task_for(data, vocab_filename=str(vocab), merges_filename=str(merges))
+    store = open_store(tmp_path / "stores", "train", data / "train" / "00", task.tokenizer, task.eod, workers=2)
+    expected = [task.tokenizer.tokenizer.encode(doc.rstrip(), add_special_tokens=False).ids + [task.eod] for doc in docs]
+    assert [store.document(d).tolist() for d in range(len(store))] == expected
 
 
 def test_tokenizing_workers_start_without_torch():
