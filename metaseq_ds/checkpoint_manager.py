@@ -54,13 +54,13 @@ class Layout:
 
     @classmethod
     def of_run(cls, cfg, world_size: int) -> "Layout":
-        from metaseq_ds.distributed.deepspeed_config import build_deepspeed_config
+        from metaseq_ds.distributed.deepspeed_config import build_deepspeed_config, training_precision
         from metaseq_ds.distributed.tensor_parallel import tensor_parallel_size
 
         import deepspeed
 
         ds_config = build_deepspeed_config(cfg, world_size, fp16_supported=deepspeed.get_accelerator().is_fp16_supported())
-        return cls(world_size, ds_config["zero_optimization"]["stage"], tensor_parallel_size(cfg), _precision(ds_config))
+        return cls(world_size, ds_config["zero_optimization"]["stage"], tensor_parallel_size(cfg), training_precision(ds_config))
 
     @classmethod
     def of_checkpoint(cls, meta: Dict[str, Any]) -> "Layout":
@@ -285,10 +285,6 @@ class CheckpointManager:
 
 def _reader(ref: checkpoint_utils.CheckpointRef) -> Callable[[], Dict[str, Any]]:
     return lambda: checkpoint_utils.lazy_model_weights(ref)
-
-
-def _precision(ds_config: Dict[str, Any]) -> str:
-    return "bf16" if ds_config["bf16"]["enabled"] else "fp16" if ds_config["fp16"]["enabled"] else "fp32"
 
 
 def saved_client_state(ref: checkpoint_utils.CheckpointRef, saved: Layout, meta: Dict[str, Any]) -> Dict[str, Any]:

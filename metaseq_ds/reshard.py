@@ -113,8 +113,6 @@ def reshard(checkpoint: str, out: str, ranks: int, tensor_parallel_size: int, ze
     return Path(out) / ref.tag
 
 
-
-
 def _unique_names(values: Dict[str, Any]):
     """(names to write, {tied name: the name written}): tied parameters are one object."""
     first: Dict[int, str] = {}

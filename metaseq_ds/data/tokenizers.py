@@ -7,6 +7,7 @@ put `<s>`, `<pad>`, `</s>`, `<unk>` at ids 0..3, as OPT's vocabulary does. `buil
 flags: `--hf-tokenizer` > `--vocab-filename` + `--merges-filename` > the byte tokenizer.
 """
 
+import functools
 import hashlib
 from pathlib import Path
 from typing import List, Optional, Sequence
@@ -68,7 +69,6 @@ class HuggingFaceTokenizer:
         self.tokenizer = tokenizer
         self.vocab_size = tokenizer.get_vocab_size()
         self._fingerprint: Optional[str] = None
-        self._ascii = AsciiByteLevelEncoder.for_tokenizer(tokenizer)
         for idx, spellings in enumerate(_SPECIAL_SPELLINGS):
             found = tokenizer.id_to_token(idx)
             if found not in spellings:
@@ -79,6 +79,13 @@ class HuggingFaceTokenizer:
 
     def encode(self, text: str) -> List[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    @functools.cached_property
+    def _ascii(self) -> Optional[AsciiByteLevelEncoder]:
+        """The exact ASCII fast path where this tokenizer allows it: looked up on the first batch
+        (reading the config serializes the whole tokenizer, ~70 ms for GPT-2's), so loading a
+        tokenizer to generate or serve costs nothing more."""
+        return AsciiByteLevelEncoder.for_tokenizer(self.tokenizer)
 
     def encode_batch(self, texts: Sequence[str]) -> List[List[int]]:
         """`encode` of each text: ASCII texts of a GPT-2 style byte BPE by the exact fast path

@@ -94,6 +94,11 @@ def build_deepspeed_config(cfg: MetaseqConfig, world_size: int, fp16_supported: 
     return merged
 
 
+def training_precision(ds_config: Dict[str, Any]) -> str:
+    """"bf16", "fp16" or "fp32": what a (derived or preset-merged) DeepSpeed config trains in."""
+    return "bf16" if ds_config["bf16"]["enabled"] else "fp16" if ds_config["fp16"]["enabled"] else "fp32"
+
+
 def _bucket_sizes(model_cfg) -> Dict[str, int]:
     """ZeRO's buffers and working sets sized by the model, so that a rank holds its share plus
     about one layer (12 d*d parameters for width d), whatever the model's size.

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from metaseq_ds.distributed import utils as dist_utils
+from metaseq_ds.distributed.deepspeed_config import training_precision
 from metaseq_ds.distributed.tensor_parallel import partition_dim
 
 class ParameterValues(Protocol):
@@ -109,11 +110,7 @@ def _zero3_training_dtype(zero3_config: Optional[Dict[str, Any]]) -> Optional[to
     stages keep fp32 parameters: DeepSpeed's engine casts the module itself."""
     if zero3_config is None:
         return None
-    if zero3_config.get("bf16", {}).get("enabled"):
-        return torch.bfloat16
-    if zero3_config.get("fp16", {}).get("enabled"):
-        return torch.float16
-    return None
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}[training_precision(zero3_config)]
 
 
 def _partition(params, zero3_config: Dict[str, Any]) -> None:
