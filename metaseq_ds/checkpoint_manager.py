@@ -51,23 +51,28 @@ class Layout:
     zero_stage: int
     tensor_parallel_size: int
     precision: str = "fp32"  # "fp32", "bf16" or "fp16": the parameters' dtype (master weights are fp32)
+    # ZeRO-1/2: the most parameters an optimizer group holds (0: one group), which DeepSpeed's
+    # files are cut by (`deepspeed_config.optimizer_group_limit`); saves before it: one group.
+    optimizer_group_limit: int = 0
 
     @classmethod
     def of_run(cls, cfg, world_size: int) -> "Layout":
-        from metaseq_ds.distributed.deepspeed_config import build_deepspeed_config, training_precision
+        from metaseq_ds.distributed.deepspeed_config import build_deepspeed_config, optimizer_group_limit, training_precision
         from metaseq_ds.distributed.tensor_parallel import tensor_parallel_size
 
         import deepspeed
 
         ds_config = build_deepspeed_config(cfg, world_size, fp16_supported=deepspeed.get_accelerator().is_fp16_supported())
-        return cls(world_size, ds_config["zero_optimization"]["stage"], tensor_parallel_size(cfg), training_precision(ds_config))
+        return cls(world_size, ds_config["zero_optimization"]["stage"], tensor_parallel_size(cfg), training_precision(ds_config),
+                   optimizer_group_limit(ds_config, cfg.model))
 
     @classmethod
     def of_checkpoint(cls, meta: Dict[str, Any]) -> "Layout":
         common = meta["config"].get("common", {})
         # Saves before the precision was recorded: the flags (fp16 fell back to bf16 on a CPU).
         precision = meta.get("precision") or ("bf16" if common.get("bf16") or common.get("fp16") else "fp32")
-        return cls(meta["world_size"], meta["zero_stage"], meta.get("tensor_parallel_size", 1), precision)
+        return cls(meta["world_size"], meta["zero_stage"], meta.get("tensor_parallel_size", 1), precision,
+                   meta.get("optimizer_group_limit", 0))
 
     @property
     def data_parallel_size(self) -> int:
@@ -83,7 +88,8 @@ class Layout:
     def __str__(self) -> str:
         tp = f" (tensor-parallel {self.tensor_parallel_size})" if self.tensor_parallel_size > 1 else ""
         precision = f" in {self.precision}" if self.precision != "fp32" else ""
-        return f"{self.world_size} rank(s){tp} with ZeRO-{self.zero_stage}{precision}"
+        groups = f", optimizer groups of at most {self.optimizer_group_limit:,} parameters" if self.optimizer_group_limit else ""
+        return f"{self.world_size} rank(s){tp} with ZeRO-{self.zero_stage}{precision}{groups}"
 
 
 class ResumeKind(enum.Enum):
@@ -268,6 +274,7 @@ class CheckpointManager:
             checkpoint_utils.write_meta(ref, {
                 "config": self.cfg.to_dict(), "num_updates": trainer.num_updates, "epoch": epoch_itr.epoch,
                 "world_size": self.layout.world_size, "zero_stage": trainer.zero_stage, "precision": self.layout.precision,
+                "optimizer_group_limit": self.layout.optimizer_group_limit,
                 **checkpoint_utils.tensor_parallel_meta(trainer.engine.module, self.layout.tensor_parallel_size),
             })
             checkpoint_utils.mark_last(ref)

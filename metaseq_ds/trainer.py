@@ -20,13 +20,15 @@ import logging
 import math
 import random
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 
 from metaseq_ds.dataclass import MetaseqConfig
 from metaseq_ds.distributed import utils as dist_utils
+from metaseq_ds.distributed.deepspeed_config import optimizer_group_limit, parameter_groups
 from metaseq_ds.distributed.safe_checkpoint_loading import use_weights_only_loading
+from metaseq_ds.distributed.tied_embedding import TiedEmbeddingGradient, defer_tied_embedding_gradient
 from metaseq_ds.errors import UsageError
 from metaseq_ds.logging import metrics
 from metaseq_ds.optim import build_optimizer
@@ -38,13 +40,16 @@ logger = logging.getLogger(__name__)
 
 
 class _EngineBackward:
-    """What `task.train_step` calls `optimizer.backward(loss)` on: the engine, with our scale."""
+    """What `task.train_step` calls `optimizer.backward(loss)` on: the engine, with our scale, then
+    the tied embedding's deferred gradient (`distributed.tied_embedding`) where there is one."""
 
-    def __init__(self, engine, scale: float):
-        self.engine, self.scale = engine, scale
+    def __init__(self, engine, scale: float, tied_embedding: Optional[TiedEmbeddingGradient]):
+        self.engine, self.scale, self.tied_embedding = engine, scale, tied_embedding
 
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss * self.scale)
+        if self.tied_embedding is not None:
+            self.tied_embedding.add_to_gradient_partition()
 
 
 def check_sample_size(criterion, declared: float, returned) -> None:
@@ -68,7 +73,9 @@ class Trainer:
         self.data_parallel_rank = dist_utils.get_data_parallel_rank()
         self.data_parallel_group = dist_utils.get_data_parallel_group()
         self.ds_config = ds_config
-        self.optimizer = build_optimizer(cfg.optimizer, [p for p in model.parameters() if p.requires_grad])
+        trained = [p for p in model.parameters() if p.requires_grad]
+        # ZeRO-1/2 copy a whole optimizer group's gradient at each step: groups of about a layer
+        self.optimizer = build_optimizer(cfg.optimizer, parameter_groups(trained, optimizer_group_limit(ds_config, cfg.model)))
         # With tensor parallelism DeepSpeed's group registry is the mpu: the engine then counts
         # data-parallel ranks in its batch arithmetic and reduces ZeRO's gradients over them.
         mpu = deepspeed.utils.groups if dist_utils.get_tensor_model_parallel_world_size() > 1 else None
@@ -77,6 +84,8 @@ class Trainer:
         )
         use_weights_only_loading(self.engine)
         share_fp32_master_weights(self.engine)  # ZeRO in fp32: no second copy of the parameters
+        # ZeRO-3 with a tied embedding: its gradient added after the backward, not held through it
+        self.tied_embedding = defer_tied_embedding_gradient(self.engine)
         self.model = self.engine  # criterion(model, sample) runs the engine's forward
         self.lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self.optimizer)
         self.num_updates = 0
@@ -105,7 +114,7 @@ class Trainer:
         local = [sum(sizes), sum(s["ntokens"] for s in samples), sum(s["nsentences"] for s in samples)]
         global_size, global_tokens, global_sentences = self._sum_over_replicas(local)
         scale = len(samples) * self.data_parallel_size / max(global_size, 1.0)
-        backward = _EngineBackward(self.engine, scale)
+        backward = _EngineBackward(self.engine, scale, self.tied_embedding)
         loss_sum = 0.0
         gnorm = None
         for index, (sample, size) in enumerate(zip(samples, sizes)):

@@ -66,6 +66,18 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def run_worker(worker: Path, prefix: str, ranks: int = 2) -> dict:
+    """Run the script `worker` on `ranks` ranks under the deepspeed launcher; the JSON that its
+    line starting with `prefix` and a space carries. Fails on leftovers in /dev/shm."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(ranks), "--master_port", str(port), str(worker)]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=300)
+    assert not shm_leftovers(port)
+    lines = [line for line in result.stdout.splitlines() if line.startswith(prefix + " ")]
+    assert lines, result.stdout[-3000:] + result.stderr[-3000:]
+    return json.loads(lines[0].split(" ", 1)[1])
+
+
 def run(args: List[str], launcher: Optional[str] = None, timeout: int = 300, check: bool = True,
         ranks: int = 2, port: Optional[int] = None) -> subprocess.CompletedProcess:
     port = port or free_port()

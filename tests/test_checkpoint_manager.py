@@ -140,3 +140,15 @@ def test_another_precision_is_another_layout(tmp_path):
     save_run(tmp_path, cfg, world_size=1, zero_stage=0)
     assert CheckpointManager(cfg, Layout(1, 0, 1, "bf16")).plan().kind is ResumeKind.RESHARD
     assert CheckpointManager(cfg, Layout(1, 0, 1, "fp32")).plan().kind is ResumeKind.EXACT
+
+
+def test_zero12_optimizer_groups_are_part_of_the_layout(tmp_path):
+    """ZeRO-1/2 files are cut by optimizer group: a save with another grouping (or one from before
+    groups were recorded: one group) goes through the resharding path, never DeepSpeed's loader."""
+    cfg = config("--zero-stage", "1", save_dir=tmp_path)
+    run = Layout.of_run(cfg, 2)
+    assert run.optimizer_group_limit == 12 * cfg.model.decoder_embed_dim ** 2
+    save_run(tmp_path, cfg, world_size=2, zero_stage=1)  # its meta has no optimizer_group_limit
+    plan = CheckpointManager(cfg, run).plan()
+    assert plan.kind is ResumeKind.RESHARD and plan.saved_layout.optimizer_group_limit == 0
+    assert Layout.of_run(config("--zero-stage", "3", save_dir=tmp_path), 2).optimizer_group_limit == 0

@@ -159,3 +159,19 @@ def test_fp16_without_support_falls_back_to_bf16():
     with pytest.warns(UserWarning, match="using bf16"):
         ds = build_deepspeed_config(cfg, world_size=1, fp16_supported=False)
     assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
+
+
+def test_zero12_optimizer_groups_hold_about_one_layer_in_order():
+    import torch
+
+    from metaseq_ds.distributed.deepspeed_config import optimizer_group_limit, parameter_groups
+
+    cfg = parse_train_config(["/data", "--arch", "transformer_lm_gpt2_tiny", "--zero-stage", "2"])
+    limit = optimizer_group_limit(build_deepspeed_config(cfg, 2, fp16_supported=False), cfg.model)
+    assert limit == 12 * cfg.model.decoder_embed_dim ** 2
+    params = [torch.empty(n) for n in (5, 3, 2, 9, 1)]
+    groups = parameter_groups(params, 8)
+    assert [[p.numel() for p in g["params"]] for g in groups] == [[5, 3], [2], [9], [1]]  # 9 > 8 stands alone
+    assert parameter_groups(params, 0) is params
+    zero3 = parse_train_config(["/data", "--arch", "transformer_lm_gpt2_tiny", "--zero-stage", "3"])
+    assert optimizer_group_limit(build_deepspeed_config(zero3, 2, fp16_supported=False), zero3.model) == 0

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import TINY, env, free_port, losses, run, shm_leftovers, write_corpus
+from launch import TINY, env, losses, run, run_worker, write_corpus
 from metaseq_ds.distributed.tensor_parallel import merge_shards, partition_dim, partition_dims
 from metaseq_ds.errors import UsageError
 
@@ -48,14 +48,7 @@ def test_plan_partition_dims_and_merge_invert_the_split():
 
 
 def test_tp2_logits_loss_and_gradients_equal_the_unsharded_model():
-    worker = Path(__file__).with_name("tp_parity_worker.py")
-    port = free_port()
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", str(port), str(worker)]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env(), timeout=300)
-    assert not shm_leftovers(port)
-    lines = [line for line in result.stdout.splitlines() if line.startswith("TP_PARITY ")]
-    assert lines, result.stdout[-3000:] + result.stderr[-3000:]
-    diffs = json.loads(lines[0].split(" ", 1)[1])
+    diffs = run_worker(Path(__file__).with_name("tp_parity_worker.py"), "TP_PARITY")
     assert diffs["sharded_q_proj_rows"] == 16  # half of the 32 rows: the plan did shard
     assert diffs["logits"] < 1e-5 and diffs["logit_shard"] < 1e-5
     for criterion in ("cross_entropy", "vocab_parallel_cross_entropy"):

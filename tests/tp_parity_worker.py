@@ -19,6 +19,15 @@ class Task:
     dictionary = target_dictionary = Dictionary.of_size(48)  # a multiple of 8 * 2: no padding question here
 
 
+def tiny_tied_config() -> TransformerLanguageModelConfig:
+    """Two pre-LN layers of width 32 over Task's 48 tokens, the embedding tied to the output."""
+    return TransformerLanguageModelConfig(
+        decoder_embed_dim=32, decoder_ffn_embed_dim=64, decoder_layers=2, decoder_attention_heads=4,
+        decoder_learned_pos=True, decoder_normalize_before=True, share_decoder_input_output_embed=True,
+        no_scale_embedding=True, max_target_positions=32, dropout=0.0,
+    )
+
+
 def sample():
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(4, 48, (3, 17), generator=generator)
@@ -37,11 +46,7 @@ def loss_and_grads(model, criterion, batch):
 def main():
     dist_utils.init_distributed(tensor_parallel_size=2)
     tp_rank = dist_utils.get_tensor_model_parallel_rank()
-    cfg = TransformerLanguageModelConfig(
-        decoder_embed_dim=32, decoder_ffn_embed_dim=64, decoder_layers=2, decoder_attention_heads=4,
-        decoder_learned_pos=True, decoder_normalize_before=True, share_decoder_input_output_embed=True,
-        no_scale_embedding=True, max_target_positions=32, dropout=0.0,
-    )
+    cfg = tiny_tied_config()
     torch.manual_seed(0)
     plain = TransformerLanguageModel.build_model(cfg, Task())
     batch = sample()

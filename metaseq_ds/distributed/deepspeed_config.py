@@ -9,7 +9,7 @@ import importlib.resources
 import json
 import warnings
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 from metaseq_ds.dataclass import MetaseqConfig
 from metaseq_ds.distributed.tensor_parallel import tensor_parallel_size
@@ -121,6 +121,35 @@ def _bucket_sizes(model_cfg) -> Dict[str, int]:
         "stage3_max_reuse_distance": layer,
         "sub_group_size": layer,
     }
+
+
+def optimizer_group_limit(ds_config: Dict[str, Any], model_cfg) -> int:
+    """The most parameters one torch optimizer group may hold under this config; 0: no limit.
+
+    ZeRO-1/2 copy each group's gradient partition into one new flat tensor at every step while
+    the per-parameter gradients still exist, so the largest group adds its size to the step's
+    peak: a whole model in one group adds 4 bytes a parameter of the partition (on one
+    data-parallel rank, a quarter of the model states again). Groups of one layer (12 d*d
+    parameters, as ZeRO-3's sub-groups) bound that to one layer. Other stages keep one group."""
+    if ds_config["zero_optimization"]["stage"] not in (1, 2) or "decoder_embed_dim" not in model_cfg.__dataclass_fields__:
+        return 0
+    return 12 * model_cfg.decoder_embed_dim ** 2
+
+
+def parameter_groups(params: List[Any], limit: int) -> List[Any]:
+    """`params` as they come (limit 0), else cut in order into groups of at most `limit` elements
+    (a larger parameter alone), as torch param-group dicts that keep the optimizer's options."""
+    if not limit:
+        return params
+    groups: List[List[Any]] = [[]]
+    size = 0
+    for param in params:
+        if groups[-1] and size + param.numel() > limit:
+            groups.append([])
+            size = 0
+        groups[-1].append(param)
+        size += param.numel()
+    return [{"params": group} for group in groups]
 
 
 def _overlay(derived: Dict[str, Any], preset: Dict[str, Any]) -> Dict[str, Any]:
