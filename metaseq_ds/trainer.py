@@ -45,11 +45,13 @@ class _EngineBackward:
 
     def __init__(self, engine, scale: float, tied_embedding: Optional[TiedEmbeddingGradient]):
         self.engine, self.scale, self.tied_embedding = engine, scale, tied_embedding
+        self.backwards = 0  # one object per update: counts its micro-batches
 
     def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss * self.scale)
         if self.tied_embedding is not None:
-            self.tied_embedding.add_to_gradient_partition()
+            self.tied_embedding.add_to_gradient_partition(first_micro_step=self.backwards == 0)
+        self.backwards += 1
 
 
 def check_sample_size(criterion, declared: float, returned) -> None:
@@ -84,7 +86,7 @@ class Trainer:
         )
         use_weights_only_loading(self.engine)
         share_fp32_master_weights(self.engine)  # ZeRO in fp32: no second copy of the parameters
-        # ZeRO-3 with a tied embedding: its gradient added after the backward, not held through it
+        # ZeRO-3 with a tied embedding: its gradient made after the backward, chunk by chunk
         self.tied_embedding = defer_tied_embedding_gradient(self.engine)
         self.model = self.engine  # criterion(model, sample) runs the engine's forward
         self.lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self.optimizer)

@@ -1,7 +1,8 @@
 """Run on 2 ranks (`deepspeed --num_gpus 2 tests/tied_embedding_worker.py`): ZeRO-3 with a tied
 embedding whose gradient is added after the backward (`distributed.tied_embedding`), against
 plain autograd on one process. Rank 0 prints one JSON line `TIED {...}`: per case, the largest
-difference of any full gradient from the reference, and how the rows travelled."""
+difference of any full gradient (of an update's micro-batches, after an earlier update) from the
+reference."""
 
 import copy
 import json
@@ -12,6 +13,7 @@ from deepspeed.utils import safe_get_full_grad
 
 from metaseq_ds.criterions import CrossEntropyCriterion
 from metaseq_ds.distributed import utils as dist_utils
+from metaseq_ds.distributed import tied_embedding
 from metaseq_ds.distributed.tied_embedding import defer_tied_embedding_gradient
 from metaseq_ds.models import TransformerLanguageModel
 from tp_parity_worker import Task, tiny_tied_config
@@ -26,11 +28,12 @@ def batch(rank: int, micro_step: int, rows: int) -> dict:
 
 
 def reference_grads(plain, criterion, micro_steps: int, rows: int) -> dict:
-    """What DeepSpeed's data parallelism computes: the mean over ranks and micro-steps."""
+    """What DeepSpeed's data parallelism computes for the second update: the mean over ranks and
+    micro-steps."""
     model = copy.deepcopy(plain)
     for rank in range(2):
         for step in range(micro_steps):
-            loss, _, _ = criterion(model, batch(rank, step, rows))
+            loss, _, _ = criterion(model, batch(rank, step + 10, rows))  # the second update's batches
             (loss / (2 * micro_steps)).backward()
     return {name: p.grad for name, p in model.named_parameters()}
 
@@ -40,18 +43,17 @@ def zero3_grads(plain, criterion, micro_steps: int, rows: int):
               "zero_optimization": {"stage": 3, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0},
               "zero_allow_untested_optimizer": True}
     model = copy.deepcopy(plain)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=config)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), config=config)
     tied = defer_tied_embedding_gradient(engine)
-    sent = []
-    original = tied._all_gathered
-    tied._all_gathered = lambda *a: sent.append("rows") or original(*a)  # which exchange ran
     rank = dist_utils.get_global_rank()
-    for step in range(micro_steps):
-        loss, _, _ = criterion(engine, batch(rank, step, rows))
-        engine.backward(loss)
-        tied.add_to_gradient_partition()
-    grads = {name: safe_get_full_grad(p) for name, p in engine.module.named_parameters()}
-    return grads, ("rows" if sent else "dense")
+    for update in range(2):  # the second update's gradient must not carry the first's
+        for step in range(micro_steps):
+            loss, _, _ = criterion(engine, batch(rank, step + 10 * update, rows))
+            engine.backward(loss)
+            tied.add_to_gradient_partition(first_micro_step=step == 0)
+            if update == 0 or step < micro_steps - 1:
+                engine.step()  # as the trainer does after each micro-batch; lr 0 keeps the weights
+    return {name: safe_get_full_grad(p) for name, p in engine.module.named_parameters()}
 
 
 def main():
@@ -60,12 +62,13 @@ def main():
     plain = TransformerLanguageModel.build_model(tiny_tied_config(), Task())
     criterion = CrossEntropyCriterion(Task())
     report = {}
-    # 2 ranks x 16 tokens < 48 vocabulary rows: rows all-gathered; 2 x 48 >= 48: dense reduce-scatter
-    for case, micro_steps, rows in (("one_row", 1, 1), ("three_rows", 1, 3), ("one_row_2_micro_steps", 2, 1)):
+    # chunks of 50 elements: 25 of each rank's 768-element partition of W (48 x 32), across rows
+    for case, micro_steps, rows, chunk in (("one_row", 1, 1, tied_embedding.CHUNK_ELEMENTS),
+                                           ("three_rows_small_chunks", 1, 3, 50), ("one_row_2_micro_steps", 2, 1, 50)):
+        tied_embedding.CHUNK_ELEMENTS = chunk
         expected = reference_grads(plain, criterion, micro_steps, rows)
-        got, exchange = zero3_grads(plain, criterion, micro_steps, rows)
-        report[case] = {"exchange": exchange,
-                        "worst": max(float((got[name] - grad).abs().max()) for name, grad in expected.items()),
+        got = zero3_grads(plain, criterion, micro_steps, rows)
+        report[case] = {"worst": max(float((got[name] - grad).abs().max()) for name, grad in expected.items()),
                         "embedding_grad_norm": float(expected["decoder.embed_tokens.weight"].norm())}
     if dist_utils.get_global_rank() == 0:
         print("TIED " + json.dumps(report), flush=True)
