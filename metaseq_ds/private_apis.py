@@ -134,6 +134,15 @@ def relink_zero12_master_fragments(zero_optimizer) -> None:
     zero_optimizer._hp_optimizer_states_linked = False
 
 
+def zero3_partition_start(param, group_rank: int) -> int:
+    """Where rank `group_rank`'s partition of a ZeRO-3 parameter starts in the flattened parameter.
+    ZeRO-3 cuts the flattened parameter (padded at its end) into equal contiguous partitions, rank
+    r of its group holding elements [r * n, (r + 1) * n) for n = the partition's size; the
+    gradient partitions follow the same layout. (Checked on 2 ranks: tests/test_tied_embedding.py.)"""
+    require_tested("deepspeed", "ZeRO-3's contiguous partitions of a flattened parameter (ds_tensor)")
+    return group_rank * param.ds_tensor.ds_numel
+
+
 def zero3_gradient_buffer(zero_optimizer):
     """The flat buffer a ZeRO-3 optimizer keeps this rank's gradient partitions in (memory figures)."""
     require_tested("deepspeed", "DeepSpeedZeroOptimizer_Stage3.grad_partitions_flat_buffer")

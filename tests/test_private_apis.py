@@ -81,6 +81,7 @@ def test_deepspeed_shims_in_a_one_rank_process(tmp_path):
         assert result["step"] == 1
         assert result["linked_then_set"], f"ZeRO-{stage}: a moment set before the first step did not land"
     assert found["3"]["partition_pairs"] == {"count": 1, "same_layout": True}
+    assert found["3"]["partition_starts"] == [0, True]
     # ZeRO-0 in bf16: an fp32 copy of each of the 4 parameters, and one step taken at construction.
     assert found["unfused"] == {"copies": 4, "fp32": True, "base_step": 1, "construction_steps": 1}
 
@@ -139,6 +140,9 @@ def _check_stage(stage: int, folder: str) -> dict:
         pairs = private_apis.zero3_flat_partitions(engine.optimizer)
         result["partition_pairs"] = {"count": len(pairs), "same_layout": all(
             (m.dtype, m.shape) == (p.dtype, p.shape) for m, p in pairs)}
+        first = next(engine.module.parameters())  # one rank: its partition is the whole (padded) parameter
+        result["partition_starts"] = [private_apis.zero3_partition_start(first, 0),
+                                      private_apis.zero3_partition_start(first, 1) >= first.ds_numel]
     loads = []
 
     def counting_load(path, map_location=None):

@@ -38,10 +38,10 @@ def reference_grads(plain, criterion, micro_steps: int, rows: int) -> dict:
     return {name: p.grad for name, p in model.named_parameters()}
 
 
-def zero3_grads(plain, criterion, micro_steps: int, rows: int):
+def zero3_grads(plain, criterion, micro_steps: int, rows: int, bf16: bool = False):
     config = {"train_micro_batch_size_per_gpu": rows, "gradient_accumulation_steps": micro_steps,
               "zero_optimization": {"stage": 3, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0},
-              "zero_allow_untested_optimizer": True}
+              "zero_allow_untested_optimizer": True, "bf16": {"enabled": bf16}}
     model = copy.deepcopy(plain)
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), config=config)
     tied = defer_tied_embedding_gradient(engine)
@@ -53,7 +53,7 @@ def zero3_grads(plain, criterion, micro_steps: int, rows: int):
             tied.add_to_gradient_partition(first_micro_step=step == 0)
             if update == 0 or step < micro_steps - 1:
                 engine.step()  # as the trainer does after each micro-batch; lr 0 keeps the weights
-    return {name: safe_get_full_grad(p) for name, p in engine.module.named_parameters()}
+    return {name: safe_get_full_grad(p).float() for name, p in engine.module.named_parameters()}
 
 
 def main():
@@ -63,13 +63,16 @@ def main():
     criterion = CrossEntropyCriterion(Task())
     report = {}
     # chunks of 50 elements: 25 of each rank's 768-element partition of W (48 x 32), across rows
-    for case, micro_steps, rows, chunk in (("one_row", 1, 1, tied_embedding.CHUNK_ELEMENTS),
-                                           ("three_rows_small_chunks", 1, 3, 50), ("one_row_2_micro_steps", 2, 1, 50)):
+    for case, micro_steps, rows, chunk, bf16 in (
+            ("one_row", 1, 1, tied_embedding.CHUNK_ELEMENTS, False), ("three_rows_small_chunks", 1, 3, 50, False),
+            ("one_row_2_micro_steps", 2, 1, 50, False), ("bf16_three_rows_small_chunks", 1, 3, 50, True)):
         tied_embedding.CHUNK_ELEMENTS = chunk
         expected = reference_grads(plain, criterion, micro_steps, rows)
-        got = zero3_grads(plain, criterion, micro_steps, rows)
+        got = zero3_grads(plain, criterion, micro_steps, rows, bf16)
+        embedding = expected["decoder.embed_tokens.weight"]
         report[case] = {"worst": max(float((got[name] - grad).abs().max()) for name, grad in expected.items()),
-                        "embedding_grad_norm": float(expected["decoder.embed_tokens.weight"].norm())}
+                        "embedding_worst": float((got["decoder.embed_tokens.weight"] - embedding).abs().max()),
+                        "embedding_grad_norm": float(embedding.norm()), "embedding_grad_max": float(embedding.abs().max())}
     if dist_utils.get_global_rank() == 0:
         print("TIED " + json.dumps(report), flush=True)
 

@@ -111,9 +111,11 @@ class TiedEmbeddingGradient:
         after. Every rank of the group must call it, also one that kept nothing."""
         from deepspeed.utils import safe_get_local_grad, safe_set_local_grad
 
+        from metaseq_ds.private_apis import zero3_partition_start
+
         partition = safe_get_local_grad(self.weight)  # flat: this rank's slice of the padded W
-        projected = [(features.reshape(-1, self.width).float(), self._local_logits(grad).float())
-                     for features, grad in self._projected]
+        # In the training dtype, as autograd would have multiplied them (bf16 products run on oneDNN)
+        projected = [(features.reshape(-1, self.width), self._local_logits(grad)) for features, grad in self._projected]
         rows, row_grads = self._embedded_rows(partition.device)
         self._projected, self._embedded = [], []
         size = partition.numel()
@@ -122,7 +124,7 @@ class TiedEmbeddingGradient:
             length = min(step, size - offset)
             slices = torch.zeros(self.group_size, length, device=partition.device)
             for rank in range(self.group_size):
-                start = rank * size + offset
+                start = zero3_partition_start(self.weight, rank) + offset
                 self._fill(slices[rank], start, min(start + length, self.rows * self.width), projected, rows, row_grads)
             if self.group_size > 1:
                 mine = torch.empty(length, device=partition.device)
@@ -163,7 +165,10 @@ class TiedEmbeddingGradient:
         first, last = start // self.width, (end - 1) // self.width + 1  # the rows those positions fall in
         block = torch.zeros(last - first, self.width, device=out.device)
         for features, logits_grad in projected:
-            block.addmm_(logits_grad[:, first:last].t(), features)
+            if features.dtype == block.dtype:
+                block.addmm_(logits_grad[:, first:last].t(), features)
+            else:  # summed in fp32, each product in the training dtype
+                block += torch.mm(logits_grad[:, first:last].t(), features)
         inside = (rows >= first) & (rows < last)
         block.index_add_(0, rows[inside] - first, row_grads[inside])
         out[: end - start] = block.view(-1)[start - first * self.width:end - first * self.width]
