@@ -36,6 +36,23 @@ def sample():
             "ntokens": int(tokens[:, 1:].ne(Task.dictionary.pad()).sum())}
 
 
+def saved_weight_views(model, batch) -> int:
+    """How many tensors the forward saves for the backward that are views of a parameter's data:
+    ZeRO-3 frees a gathered weight after the forward by swapping the parameter's data, which a
+    view would keep alive until the backward."""
+    params = {id(p) for p in model.parameters()}
+    views = []
+
+    def pack(tensor):
+        if tensor._base is not None and id(tensor._base) in params:
+            views.append(tensor.shape)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(**batch["net_input"])
+    return len(views)
+
+
 def loss_and_grads(model, criterion, batch):
     model.zero_grad()
     loss, _, _ = criterion(model, batch)
@@ -58,6 +75,7 @@ def main():
     for name, criterion_cls, gather in (("cross_entropy", CrossEntropyCriterion, True),
                                         ("vocab_parallel_cross_entropy", VocabParallelCrossEntropyCriterion, False)):
         sharded = apply_tensor_parallel(copy.deepcopy(plain), gather_logits=gather)
+        diffs["saved_weight_views"] = saved_weight_views(sharded, batch)
         logits = sharded(**batch["net_input"])[0].detach()
         if gather:
             diffs["logits"] = float((logits - plain_logits).abs().max())

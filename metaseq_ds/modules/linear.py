@@ -97,7 +97,14 @@ class Linear(nn.Linear):
     weights of at least ONEDNN_MIN_WEIGHT elements."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not uses_onednn(x, self.weight):
-            return F.linear(x, self.weight, self.bias)
-        rows = x.reshape(-1, x.size(-1))  # (N, in)
-        return _OneDNNLinear.apply(rows, self.weight, self.bias).view(*x.shape[:-1], -1)
+        return linear(x, self.weight, self.bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    """x @ weight.T (+ bias), on oneDNN where `uses_onednn` says so, else `F.linear`. Either way
+    autograd saves `weight` itself, never a view of its data: ZeRO-3 can then free a gathered
+    weight after the forward by swapping its data (and gather it again for the backward)."""
+    if not uses_onednn(x, weight):
+        return F.linear(x, weight, bias)
+    rows = x.reshape(-1, x.size(-1))  # (N, in)
+    return _OneDNNLinear.apply(rows, weight, bias).view(*x.shape[:-1], -1)
