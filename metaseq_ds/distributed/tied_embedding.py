@@ -62,7 +62,7 @@ def defer_tied_embedding_gradient(engine) -> Optional["TiedEmbeddingGradient"]:
 
 
 class TiedEmbeddingGradient:
-    """W's gradient, from what the backward kept of its two uses, added after the backward."""
+    """W's gradient, made after the backward from what it kept of W's two uses."""
 
     def __init__(self, embedding: nn.Module, head: nn.Module, vocab_start: int, padding_idx: Optional[int],
                  scale: Optional[torch.Tensor] = None):
@@ -71,7 +71,6 @@ class TiedEmbeddingGradient:
         self.rows, self.width = self.weight.ds_shape  # the shard's (the parameter itself is partitioned)
         self.group = dist_utils.get_data_parallel_group()
         self.group_size = dist_utils.get_data_parallel_world_size()
-        self.group_rank = dist_utils.get_data_parallel_rank()
         self._embedded: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (tokens, gradient of their embeddings)
         self._projected: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (projection input, gradient of its logits)
         # ZeRO-3's hooks were registered by the engine, so they run before these: the lookup's
