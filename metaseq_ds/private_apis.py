@@ -134,6 +134,23 @@ def shm_allreduce_buffer(rank: int) -> Path:
     return Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_{address}_{port}_{rank}"
 
 
+
+def route_deepspeed_collectives(all_gather_into_tensor: Callable[..., Any], reduce_scatter_tensor: Callable[..., Any]) -> None:
+    """Make these (torch's signatures) the functions behind every all-gather and reduce-scatter of
+    DeepSpeed's communication backend (`deepspeed.comm`'s `cdb.all_gather_function` and
+    `cdb.reduce_scatter_function`, which ZeRO reaches through `dist.allgather_fn`,
+    `dist.all_gather_into_tensor` and `dist.reduce_scatter_fn`). Initialises `deepspeed.comm` on
+    the existing process group first if it is not yet."""
+    require_tested("deepspeed", "deepspeed.comm.comm.cdb's all_gather_function and reduce_scatter_function")
+    import deepspeed
+    from deepspeed.comm import comm
+
+    if comm.cdb is None or not comm.cdb.is_initialized():
+        deepspeed.init_distributed()
+    comm.cdb.all_gather_function = all_gather_into_tensor
+    comm.cdb.reduce_scatter_function = reduce_scatter_tensor
+
+
 # -- DeepSpeed: ZeRO internals -------------------------------------------------------------------
 
 def zero3_flat_partitions(zero_optimizer) -> List[Tuple[Any, Any]]:

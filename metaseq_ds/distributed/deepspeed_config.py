@@ -53,7 +53,7 @@ def build_deepspeed_config(cfg: MetaseqConfig, world_size: int, fp16_supported: 
         fp16, bf16 = False, True
     tp_size = tensor_parallel_size(cfg)
     data_parallel_size = world_size // tp_size  # DeepSpeed's batch arithmetic counts data-parallel ranks
-    zero: Dict[str, Any] = {"stage": resolve_zero_stage(cfg, world_size), **_bucket_sizes(cfg.model)}
+    zero: Dict[str, Any] = {"stage": resolve_zero_stage(cfg, world_size), **_bucket_sizes(cfg.model, tp_size)}
     if dist_cfg.cpu_offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
     derived: Dict[str, Any] = {
@@ -99,15 +99,18 @@ def training_precision(ds_config: Dict[str, Any]) -> str:
     return "bf16" if ds_config["bf16"]["enabled"] else "fp16" if ds_config["fp16"]["enabled"] else "fp32"
 
 
-def _bucket_sizes(model_cfg) -> Dict[str, int]:
+def _bucket_sizes(model_cfg, tp_size: int) -> Dict[str, int]:
     """ZeRO's buffers and working sets sized by the model, so that a rank holds its share plus
     about one layer (12 d*d parameters for width d), whatever the model's size.
 
     DeepSpeed's defaults are fixed counts sized for large GPU models (5e8-element communication
     buckets, 1e9 live gathered parameters, optimizer sub-groups of 1e9 elements whose gradient is
     copied flat before each step): on a 0.7B model they double a rank's memory. The buckets are
-    Hugging Face's "auto" values (d*d); the live-parameter, reuse-distance and sub-group limits
-    are one layer. Models without a width (plugins) keep DeepSpeed's defaults."""
+    Hugging Face's "auto" values (d*d); the sub-group limit is one layer; the live-parameter and
+    reuse-distance limits are one layer as this rank gathers it, its tensor-parallel share (at
+    TP=2 a whole layer's count would keep two layers gathered). The sub-group limit stays one
+    whole layer whatever the TP degree: it fixes the optimizer's flat groups in checkpoints.
+    Models without a width (plugins) keep DeepSpeed's defaults."""
     if "decoder_embed_dim" not in model_cfg.__dataclass_fields__:
         return {}
     width = model_cfg.decoder_embed_dim
@@ -117,8 +120,8 @@ def _bucket_sizes(model_cfg) -> Dict[str, int]:
         "allgather_bucket_size": width * width,
         "stage3_prefetch_bucket_size": int(0.9 * width * width),
         "stage3_param_persistence_threshold": 10 * width,
-        "stage3_max_live_parameters": layer,
-        "stage3_max_reuse_distance": layer,
+        "stage3_max_live_parameters": layer // tp_size,
+        "stage3_max_reuse_distance": layer // tp_size,
         "sub_group_size": layer,
     }
 

@@ -18,7 +18,7 @@ gradient (tokens x width) is kept; the output projection runs with W not requiri
 and the gradient of its logits (tokens x vocabulary shard) is kept, with its input. After the
 engine's backward, W's gradient is made from those in chunks of its flat partitions: each
 chunk holds every rank's slice of the same offsets, is reduce-scattered over the data-parallel
-group (divided by its size, as ZeRO-3 averages) and written into this rank's partition through
+group (divided by its size, as ZeRO-3 averages; the chunk is scratch, so on gloo in place) and written into this rank's partition through
 DeepSpeed's public `safe_get_local_grad` / `safe_set_local_grad` (overwritten at the first
 micro-step of an update, added to after). A rank never holds more of W's gradient than a chunk
 (`CHUNK_ELEMENTS` for all ranks' slices together), at any size: at opt_175b on 1024 ranks with
@@ -28,7 +28,6 @@ TP=8 a rank's partition of W is 0.6M elements, at 707M on 2 ranks 52M.
 from typing import List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from metaseq_ds.distributed import utils as dist_utils
@@ -71,6 +70,7 @@ class TiedEmbeddingGradient:
         self.rows, self.width = self.weight.ds_shape  # the shard's (the parameter itself is partitioned)
         self.group = dist_utils.get_data_parallel_group()
         self.group_size = dist_utils.get_data_parallel_world_size()
+        self.group_rank = dist_utils.get_data_parallel_rank()
         self._embedded: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (tokens, gradient of their embeddings)
         self._projected: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (projection input, gradient of its logits)
         # ZeRO-3's hooks were registered by the engine, so they run before these: the lookup's
@@ -108,6 +108,7 @@ class TiedEmbeddingGradient:
         """Make this micro-batch's gradient of W, summed over the data-parallel group and divided
         by its size, in this rank's partition: written at an update's first micro-step, added to
         after. Every rank of the group must call it, also one that kept nothing."""
+        from deepspeed import comm as deepspeed_comm
         from deepspeed.utils import safe_get_local_grad, safe_set_local_grad
 
         from metaseq_ds.private_apis import zero3_partition_start
@@ -125,12 +126,10 @@ class TiedEmbeddingGradient:
             for rank in range(self.group_size):
                 start = zero3_partition_start(self.weight, rank) + offset
                 self._fill(slices[rank], start, min(start + length, self.rows * self.width), projected, rows, row_grads)
-            if self.group_size > 1:
-                mine = torch.empty(length, device=partition.device)
-                dist.reduce_scatter_tensor(mine, slices.view(-1), group=self.group)
+            mine = slices[self.group_rank]
+            if self.group_size > 1:  # through DeepSpeed's backend: in place on gloo (gloo_collectives)
+                deepspeed_comm.reduce_scatter_fn(mine, slices.view(-1), group=self.group)
                 mine /= self.group_size
-            else:
-                mine = slices[0]
             target = partition.narrow(0, offset, length)
             if first_micro_step:
                 target.copy_(mine)

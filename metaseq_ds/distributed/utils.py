@@ -71,6 +71,12 @@ def init_distributed(distributed_port: int = -1, tensor_parallel_size: int = 1) 
 
         deepspeed.init_distributed()
         release_shm_buffer()
+    if dist.get_backend() == "gloo":
+        from metaseq_ds.distributed import gloo_collectives
+        from metaseq_ds.private_apis import route_deepspeed_collectives
+
+        route_deepspeed_collectives(gloo_collectives.all_gather_into_tensor_in_place,
+                                    gloo_collectives.reduce_scatter_tensor_in_place)
     if tensor_parallel_size > 1:
         from metaseq_ds.private_apis import init_tensor_parallel_groups
 
