@@ -140,7 +140,8 @@ def route_deepspeed_collectives(all_gather_into_tensor: Callable[..., Any], redu
     DeepSpeed's communication backend (`deepspeed.comm`'s `cdb.all_gather_function` and
     `cdb.reduce_scatter_function`, which ZeRO reaches through `dist.allgather_fn`,
     `dist.all_gather_into_tensor` and `dist.reduce_scatter_fn`). Initialises `deepspeed.comm` on
-    the existing process group first if it is not yet."""
+    the existing process group first if it is not yet. (Checked on 3 ranks by
+    tests/test_gloo_collectives.py: DeepSpeed's entry points reach them.)"""
     require_tested("deepspeed", "deepspeed.comm.comm.cdb's all_gather_function and reduce_scatter_function")
     import deepspeed
     from deepspeed.comm import comm

@@ -18,11 +18,12 @@ gradient (tokens x width) is kept; the output projection runs with W not requiri
 and the gradient of its logits (tokens x vocabulary shard) is kept, with its input. After the
 engine's backward, W's gradient is made from those in chunks of its flat partitions: each
 chunk holds every rank's slice of the same offsets, is reduce-scattered over the data-parallel
-group (divided by its size, as ZeRO-3 averages; the chunk is scratch, so on gloo in place) and written into this rank's partition through
-DeepSpeed's public `safe_get_local_grad` / `safe_set_local_grad` (overwritten at the first
-micro-step of an update, added to after). A rank never holds more of W's gradient than a chunk
-(`CHUNK_ELEMENTS` for all ranks' slices together), at any size: at opt_175b on 1024 ranks with
-TP=8 a rank's partition of W is 0.6M elements, at 707M on 2 ranks 52M.
+group (divided by its size, as ZeRO-3 averages; through DeepSpeed's backend, on gloo in place)
+and written into this rank's partition through DeepSpeed's public `safe_get_local_grad` /
+`safe_set_local_grad` (overwritten at the first micro-step of an update, added to after). A
+rank never holds more of W's gradient than a chunk (`CHUNK_ELEMENTS` for all ranks' slices
+together), at any size: at opt_175b on 1024 ranks with TP=8 a rank's partition of W is 0.6M
+elements, at 707M on 2 ranks 52M.
 """
 
 from typing import List, Optional, Tuple
