@@ -134,6 +134,7 @@ def shm_allreduce_buffer(rank: int) -> Path:
     return Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_{address}_{port}_{rank}"
 
 
+# -- DeepSpeed: its communication backend --------------------------------------------------------
 
 def route_deepspeed_collectives(all_gather_into_tensor: Callable[..., Any], reduce_scatter_tensor: Callable[..., Any]) -> None:
     """Make these (torch's signatures) the functions behind every all-gather and reduce-scatter of

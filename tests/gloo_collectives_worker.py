@@ -17,6 +17,13 @@ def inputs(rank: int, length: int, dtype: torch.dtype) -> torch.Tensor:
     return (torch.arange(length, dtype=torch.float32) * (rank + 1) + 0.25 * rank).to(dtype)
 
 
+def call(collective, output: torch.Tensor, input: torch.Tensor, group, async_op: bool) -> None:
+    """Run one of ours to completion, through its handle when `async_op`."""
+    handle = collective(output, input, group=group, async_op=async_op)
+    if async_op:
+        handle.wait()
+
+
 def check_group(group, dtype: torch.dtype, async_op: bool) -> dict:
     """Whether ours equal torch's on this group, for an output slice passed as the input (as
     ZeRO-3 does) and for a separate input."""
@@ -25,30 +32,20 @@ def check_group(group, dtype: torch.dtype, async_op: bool) -> dict:
     expected_gather = torch.empty(length * size, dtype=dtype)
     dist.all_gather_into_tensor(expected_gather, inputs(rank, length, dtype), group=group)
     separate = torch.full((length * size,), -1.0, dtype=dtype)
-    handle = gloo_collectives.all_gather_into_tensor_in_place(separate, inputs(rank, length, dtype), group=group,
-                                                              async_op=async_op)
-    if async_op:
-        handle.wait()
+    call(gloo_collectives.all_gather_into_tensor_in_place, separate, inputs(rank, length, dtype), group, async_op)
     aliased = torch.full((length * size,), -1.0, dtype=dtype)
     aliased.narrow(0, rank * length, length).copy_(inputs(rank, length, dtype))
     pointer = aliased.data_ptr()
-    handle = gloo_collectives.all_gather_into_tensor_in_place(aliased, aliased.narrow(0, rank * length, length),
-                                                              group=group, async_op=async_op)
-    if async_op:
-        handle.wait()
+    call(gloo_collectives.all_gather_into_tensor_in_place, aliased, aliased.narrow(0, rank * length, length), group,
+         async_op)
 
     expected_reduced = torch.empty(length, dtype=dtype)
     dist.reduce_scatter_tensor(expected_reduced, inputs(rank, length * size, dtype), group=group)
     reduced = torch.empty(length, dtype=dtype)
-    handle = gloo_collectives.reduce_scatter_tensor_in_place(reduced, inputs(rank, length * size, dtype), group=group,
-                                                             async_op=async_op)
-    if async_op:
-        handle.wait()
+    call(gloo_collectives.reduce_scatter_tensor_in_place, reduced, inputs(rank, length * size, dtype), group, async_op)
     scratch = inputs(rank, length * size, dtype)
     own_slice = scratch.narrow(0, rank * length, length)
-    handle = gloo_collectives.reduce_scatter_tensor_in_place(own_slice, scratch, group=group, async_op=async_op)
-    if async_op:
-        handle.wait()
+    call(gloo_collectives.reduce_scatter_tensor_in_place, own_slice, scratch, group, async_op)
     return {"gather": torch.equal(separate, expected_gather), "gather_aliased": torch.equal(aliased, expected_gather),
             "gather_in_place": aliased.data_ptr() == pointer, "reduce": torch.equal(reduced, expected_reduced),
             "reduce_aliased": torch.equal(own_slice, expected_reduced)}

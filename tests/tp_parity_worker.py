@@ -75,7 +75,7 @@ def main():
     for name, criterion_cls, gather in (("cross_entropy", CrossEntropyCriterion, True),
                                         ("vocab_parallel_cross_entropy", VocabParallelCrossEntropyCriterion, False)):
         sharded = apply_tensor_parallel(copy.deepcopy(plain), gather_logits=gather)
-        diffs["saved_weight_views"] = saved_weight_views(sharded, batch)
+        diffs["saved_weight_views"] = diffs.get("saved_weight_views", 0) + saved_weight_views(sharded, batch)
         logits = sharded(**batch["net_input"])[0].detach()
         if gather:
             diffs["logits"] = float((logits - plain_logits).abs().max())
