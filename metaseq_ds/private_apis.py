@@ -16,7 +16,7 @@ import os
 import warnings
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from metaseq_ds.errors import UsageError
 
@@ -88,7 +88,7 @@ def even_split_tp_meta():
     return AutoTPMeta(tp_grain_size=1)
 
 
-def tp_forward_saving_the_parameter(layer, row_parallel: bool):
+def tp_forward_saving_the_parameter(layer, row_parallel: bool, product: Optional[Callable[[Any], Any]] = None):
     """A forward for one of DeepSpeed's TP layers (`LinearLayer`/`VocabParallelLinear`: column
     parallel; `LinearAllreduce`: row parallel) that multiplies through `modules.linear.linear`
     where DeepSpeed's multiplies by `self.weight.transpose(-1, -2)`. Same collectives (its
@@ -97,14 +97,22 @@ def tp_forward_saving_the_parameter(layer, row_parallel: bool):
     layer's gathered weight alive until the backward (707M model, TP=2 x DP=2: +80 MB a layer).
     Only DeepSpeed's default path (no overlapped or compiler-deferred collectives), the one
     metaseq_ds runs; otherwise the layer's own forward is returned. (Checked on 2 ranks by
-    tests/test_tensor_parallel.py: parity with the unsharded model, no saved view of a weight.)"""
+    tests/test_tensor_parallel.py: parity with the unsharded model, no saved view of a weight.)
+
+    `product(input)`, for a column-parallel layer, replaces its local product (input @ Wᵀ + bias):
+    the streamed tied embedding's (`distributed.tied_embedding`) never gathers W whole."""
     require_tested("deepspeed", "module_inject.layers' tensor-parallel autograd functions and layer attributes")
     from deepspeed.module_inject import layers as tp
 
     from metaseq_ds.modules.linear import linear
 
     if type(layer).tp_overlap_comm or layer.defer_collectives_to_compiler:
+        if product is not None:
+            raise NotImplementedError("a streamed product under DeepSpeed's overlapped or compiler-deferred TP collectives")
         return layer.forward
+    if product is None:
+        def product(input):
+            return linear(input, layer.weight, layer.bias)
 
     def row_forward(input):
         output = tp.RowParallel.apply(layer.mp_group, linear(input, layer.weight), not layer.is_training_mode())
@@ -113,12 +121,31 @@ def tp_forward_saving_the_parameter(layer, row_parallel: bool):
     def column_forward(input):
         if layer.mp_group is not None:
             input = tp.ColumnParallel.apply(layer.mp_group, input)
-        output = linear(input, layer.weight, layer.bias)
+        output = product(input)
         if layer.gather_output:
             output = tp.GatherFromTensorParallelRegion.apply(layer.mp_group, output, layer._partition_sizes)
         return output
 
     return row_forward if row_parallel else column_forward
+
+
+def tp_vocab_embedding_forward(layer, lookup: Callable[[Any], Any]):
+    """DeepSpeed's `VocabParallelEmbedding.forward` with its local lookup replaced by
+    `lookup(rows)`: the rows of this rank's vocabulary shard, zeros for rows outside it (so no
+    mask is needed). Same collective (its `RowParallel` sum over the tensor-parallel group) and
+    scale. (Checked on 2 ranks by tests/test_tensor_parallel.py: TP=2 x ZeRO-3 parity.)"""
+    require_tested("deepspeed", "module_inject.layers' VocabParallelEmbedding attributes and RowParallel")
+    from deepspeed.module_inject import layers as tp
+
+    def forward(input):
+        output = lookup(input - layer.vocab_start_index)
+        if layer.is_tp_parallel:
+            output = tp.RowParallel.apply(layer.mp_group, output, not layer.is_training_mode())
+        if layer.embed_scale is not None:
+            output = output * layer.embed_scale.to(output.dtype)
+        return output
+
+    return forward
 
 
 # -- DeepSpeed: the CPU accelerator's shared-memory all-reduce --------------------------------
@@ -193,6 +220,81 @@ def zero3_partition_start(param, group_rank: int) -> int:
     gradient partitions follow the same layout. (Checked on 2 ranks: tests/test_tied_embedding.py.)"""
     require_tested("deepspeed", "ZeRO-3's contiguous partitions of a flattened parameter (ds_tensor)")
     return group_rank * param.ds_tensor.ds_numel
+
+
+def stop_zero3_gathering(engine, modules) -> None:
+    """Remove the hooks ZeRO-3 registered on each of `modules` (not their children), so it never
+    gathers their own parameters: not before their forward, nor before their backward. Whoever
+    calls this reads those parameters' partitions itself. DeepSpeedZeRoOffload keeps the handles
+    of the four hooks it puts on every module (`forward_hooks`, `backward_hooks`); each is removed
+    from its module's hook dict. (Checked on 2 ranks by tests/test_tied_embedding.py: the tied
+    weight is never gathered.)"""
+    require_tested("deepspeed", "DeepSpeedZeRoOffload's forward_hooks and backward_hooks handles")
+    offload = engine.optimizer.parameter_offload
+    hook_dicts = {id(hooks) for module in modules for hooks in (module._forward_pre_hooks, module._forward_hooks)}
+    for handle in offload.forward_hooks + offload.backward_hooks:
+        if id(handle.hooks_dict_ref()) in hook_dicts:
+            handle.remove()
+
+
+def zero3_gradient_norms_in_pieces(zero_optimizer, piece_elements: int) -> None:
+    """Make ZeRO-3's gradient norm (`get_grad_norm_direct(gradients, params)`, which copies each
+    gradient to fp64 whole) see gradients of more than `piece_elements` as consecutive pieces,
+    each paired with its parameter: the same norm, in fp64, with a transient of one piece.
+    (Checked by tests/test_zero3_step.py: the same norms and losses.)"""
+    require_tested("deepspeed", "DeepSpeedZeroOptimizer_Stage3.get_grad_norm_direct(gradients, params)")
+    norm_of_whole_gradients = zero_optimizer.get_grad_norm_direct
+
+    def norm_of_pieces(gradients, params, norm_type=2):
+        pieces, owners = [], []
+        for gradient, param in zip(gradients, params):
+            parts = gradient.reshape(-1).split(piece_elements) if gradient.numel() > piece_elements else (gradient,)
+            pieces.extend(parts)
+            owners.extend([param] * len(parts))
+        return norm_of_whole_gradients(pieces, owners, norm_type)
+
+    zero_optimizer.get_grad_norm_direct = norm_of_pieces
+
+
+def zero3_step_on_the_gradient_buffer(zero_optimizer) -> None:
+    """Make ZeRO-3's step give each optimizer sub-group, as its fp32 gradient, the span of the flat
+    gradient buffer its gradients already lie in, where `_prepare_fp32_grad_for_sub_group`
+    concatenates them into a new tensor (`self.flatten(averaged_gradients[i]).to(fp32)`): in fp32
+    training that is a copy of up to a sub-group (12 d*d elements: 200 MB at width 2048) on top
+    of the step. Sub-groups whose gradients are not adjacent fp32 spans of that buffer (bf16, fp16
+    training) keep DeepSpeed's copy. The buffer is then unscaled and clipped in place; ZeRO-3
+    overwrites it at the next update's first micro-step. (Checked by tests/test_zero3_step.py: the
+    same losses, the optimizer reads the buffer.)"""
+    require_tested("deepspeed", "DeepSpeedZeroOptimizer_Stage3._prepare_fp32_grad_for_sub_group and averaged_gradients")
+    concatenate = zero_optimizer._prepare_fp32_grad_for_sub_group
+    buffer = zero_optimizer.grad_partitions_flat_buffer
+
+    def prepare(sub_group_id: int) -> None:
+        grads = zero_optimizer.averaged_gradients[sub_group_id]
+        master = zero_optimizer.fp32_partitioned_groups_flat[sub_group_id]
+        span = _adjacent_span(grads, buffer)
+        if span is None or span.dtype != master.dtype or span.numel() != master.numel():
+            concatenate(sub_group_id)
+            return
+        master.grad = span
+        zero_optimizer.averaged_gradients[sub_group_id] = None
+
+    zero_optimizer._prepare_fp32_grad_for_sub_group = prepare
+
+
+def _adjacent_span(tensors, buffer):
+    """The span of flat `buffer` that `tensors` (1-D views of it) fill one after another, else None."""
+    if not tensors or buffer is None:
+        return None
+    storage = buffer.untyped_storage().data_ptr()
+    offset = tensors[0].storage_offset()
+    for tensor in tensors:
+        if (tensor.dim() != 1 or not tensor.is_contiguous() or tensor.untyped_storage().data_ptr() != storage
+                or tensor.storage_offset() != offset):
+            return None
+        offset += tensor.numel()
+    start = tensors[0].storage_offset() - buffer.storage_offset()
+    return buffer.narrow(0, start, offset - tensors[0].storage_offset())
 
 
 def zero3_gradient_buffer(zero_optimizer):

@@ -28,12 +28,13 @@ from metaseq_ds.dataclass import MetaseqConfig
 from metaseq_ds.distributed import utils as dist_utils
 from metaseq_ds.distributed.deepspeed_config import optimizer_group_limit, parameter_groups
 from metaseq_ds.distributed.safe_checkpoint_loading import use_weights_only_loading
-from metaseq_ds.distributed.tied_embedding import TiedEmbeddingGradient, defer_tied_embedding_gradient
+from metaseq_ds.distributed.tied_embedding import StreamedTiedEmbedding, stream_tied_embedding
 from metaseq_ds.errors import UsageError
 from metaseq_ds.logging import metrics
 from metaseq_ds.optim import build_optimizer
 from metaseq_ds.optim.lr_scheduler import build_lr_scheduler
 from metaseq_ds.optim.fp32_master_weights import share_fp32_master_weights
+from metaseq_ds.optim.zero3_step import lean_zero3_step
 from metaseq_ds.validation import validation_loss
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,7 @@ class _EngineBackward:
     """What `task.train_step` calls `optimizer.backward(loss)` on: the engine, with our scale, then
     the tied embedding's deferred gradient (`distributed.tied_embedding`) where there is one."""
 
-    def __init__(self, engine, scale: float, tied_embedding: Optional[TiedEmbeddingGradient]):
+    def __init__(self, engine, scale: float, tied_embedding: Optional[StreamedTiedEmbedding]):
         self.engine, self.scale, self.tied_embedding = engine, scale, tied_embedding
         self.backwards = 0  # one object per update: counts its micro-batches
 
@@ -86,8 +87,9 @@ class Trainer:
         )
         use_weights_only_loading(self.engine)
         share_fp32_master_weights(self.engine)  # ZeRO in fp32: no second copy of the parameters
-        # ZeRO-3 with a tied embedding: its gradient made after the backward, chunk by chunk
-        self.tied_embedding = defer_tied_embedding_gradient(self.engine)
+        lean_zero3_step(self.engine)  # ZeRO-3's step: no transient copies of gradients
+        # ZeRO-3 with a tied embedding: its weight read and its gradient made chunk by chunk
+        self.tied_embedding = stream_tied_embedding(self.engine)
         self.model = self.engine  # criterion(model, sample) runs the engine's forward
         self.lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self.optimizer)
         self.num_updates = 0

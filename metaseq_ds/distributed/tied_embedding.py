@@ -1,45 +1,59 @@
-"""Under ZeRO-3, a tied embedding's gradient is made after the backward, straight into its partitions.
+"""Under ZeRO-3, a tied embedding's weight is never gathered whole, and its gradient is made after
+the backward, straight into its partitions.
 
-    tied = defer_tied_embedding_gradient(engine)  # after deepspeed.initialize; None when it does not apply
+    tied = stream_tied_embedding(engine)  # after deepspeed.initialize; None when it does not apply
     engine.backward(loss)
     tied.add_to_gradient_partition(first_micro_step)  # after every backward, before engine.step()
 
-With `share_decoder_input_output_embed` one weight W (vocabulary shard x width) is used twice:
-the input embedding (first in the forward) and the output projection (first in the backward).
-Autograd sums the two gradients before it calls W's accumulator, that is when the backward
-reaches the embedding, last. Under ZeRO-3 each rank then held, through its whole backward, the
-output projection's gradient of W, and at its end W gathered again (ZeRO-3 gathers a module's
-parameters before its backward, although an embedding's backward never reads them) and the
-embedding's dense gradient: three whole copies of W (412 MB each for OPT's 50272 x 2048 in fp32).
+With `share_decoder_input_output_embed` one weight W (vocabulary shard x width) is used three
+times a step: the input embedding's lookup, the output projection's forward, and its backward.
+ZeRO-3 gathered the whole of W for each (206 MB in fp32 for OPT's 50272 x 2048 at TP=2, more
+than a layer's share when the vocabulary is large against the width), and autograd summed W's
+two gradients before its accumulator ran, when the backward reached the embedding, last: each
+rank held W's output-projection gradient through its whole backward, then W gathered again
+(ZeRO-3 gathers a module's parameters before its backward, although an embedding's backward
+never reads them) and the embedding's dense gradient.
 
-Here autograd never makes a gradient of W. The embedding looks its tokens up without autograd
-reaching W (so ZeRO-3 has no backward to gather it for) and its output becomes a leaf whose
-gradient (tokens x width) is kept; the output projection runs with W not requiring a gradient
-and the gradient of its logits (tokens x vocabulary shard) is kept, with its input. After the
-engine's backward, W's gradient is made from those in chunks of its flat partitions: each
-chunk holds every rank's slice of the same offsets, is reduce-scattered over the data-parallel
-group (divided by its size, as ZeRO-3 averages; through DeepSpeed's backend, on gloo in place)
-and written into this rank's partition through DeepSpeed's public `safe_get_local_grad` /
-`safe_set_local_grad` (overwritten at the first micro-step of an update, added to after). A
-rank never holds more of W's gradient than a chunk (`CHUNK_ELEMENTS` for all ranks' slices
-together), at any size: at opt_175b on 1024 ranks with TP=8 a rank's partition of W is 0.6M
-elements, at 707M on 2 ranks 52M.
+Here ZeRO-3's hooks are taken off the two modules (`private_apis.stop_zero3_gathering`), and
+they read W a chunk at a time (`CHUNK_ELEMENTS` for all ranks' slices together): each chunk
+is the same offsets of every rank's flat partition, all-gathered over the data-parallel group
+through DeepSpeed's backend, and is used and dropped before the next is gathered. The lookup
+adds each chunk's rows to the tokens that fall in them; the projection computes each chunk's
+logits, and its backward the input gradient from each chunk. Rows a chunk holds only part of
+are zero-filled blocks whose parts add up across chunks.
+
+Autograd never makes a gradient of W. The lookup runs without autograd and its output becomes a
+leaf whose gradient (tokens x width) is kept; the projection is an autograd function whose
+backward keeps the gradient of its logits (tokens x vocabulary shard) with its input. After the
+engine's backward, W's gradient is made from those in chunks of the same layout: each chunk
+is reduce-scattered over the data-parallel group (divided by its size, as ZeRO-3 averages;
+through DeepSpeed's backend, on gloo in place) and written into this rank's partition through
+DeepSpeed's public `safe_get_local_grad` / `safe_set_local_grad` (overwritten at the first
+micro-step of an update, added to after).
+
+A rank never holds more of W or of its gradient than a chunk, at any size, except where a
+chunk would cut each rank's slice below `MIN_SLICE_ELEMENTS` (products of a few rows are slow on
+a GPU): then a chunk holds whole partitions. At opt_175b on 1024 ranks with TP=8 a rank's
+partition of W is 0.6M elements, so W's shard (154 MB in bf16, a third of a layer's share) is
+gathered in one chunk, as ZeRO-3 would; at 707M on 4 ranks (TP=2) in seven of at most 32 MB.
 """
 
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from metaseq_ds.distributed import utils as dist_utils
 
-# Elements of one chunk of the gradient, all ranks' slices together (64 MB in fp32).
-CHUNK_ELEMENTS = 2**24
+# Elements of one chunk of W or of its gradient, all ranks' slices together (32 MB in fp32)...
+CHUNK_ELEMENTS = 2**23
+# ... unless each rank's slice would be smaller than this: then whole partitions.
+MIN_SLICE_ELEMENTS = 2**20
 
 
-def defer_tied_embedding_gradient(engine) -> Optional["TiedEmbeddingGradient"]:
-    """Set up the deferred gradient for `engine`'s model when it trains under ZeRO-3 with its token
-    embedding tied to its output projection; None otherwise (nothing changed)."""
+def stream_tied_embedding(engine) -> Optional["StreamedTiedEmbedding"]:
+    """Stream W and defer its gradient for `engine`'s model when it trains under ZeRO-3 with its
+    token embedding tied to its output projection; None otherwise (nothing changed)."""
     if engine.zero_optimization_stage() != 3:
         return None
     decoder = getattr(engine.module, "decoder", None)
@@ -52,20 +66,22 @@ def defer_tied_embedding_gradient(engine) -> Optional["TiedEmbeddingGradient"]:
     if isinstance(embedding, nn.Embedding):
         if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
             return None  # their gradients are not plain sums of rows
-        return TiedEmbeddingGradient(embedding, head, vocab_start=0, padding_idx=embedding.padding_idx)
+        return StreamedTiedEmbedding(engine, embedding, head, vocab_start=0, padding_idx=embedding.padding_idx)
     if hasattr(embedding, "vocab_start_index"):  # DeepSpeed's VocabParallelEmbedding: a vocabulary shard
         local_padding = embedding.padding_idx
         padding_idx = None if local_padding is None else local_padding + embedding.vocab_start_index
-        return TiedEmbeddingGradient(embedding, head, vocab_start=embedding.vocab_start_index, padding_idx=padding_idx,
-                                     scale=getattr(embedding, "embed_scale", None))
+        return StreamedTiedEmbedding(engine, embedding, head, vocab_start=embedding.vocab_start_index,
+                                     padding_idx=padding_idx, scale=getattr(embedding, "embed_scale", None))
     return None
 
 
-class TiedEmbeddingGradient:
-    """W's gradient, made after the backward from what it kept of W's two uses."""
+class StreamedTiedEmbedding:
+    """W's lookup and projection a chunk at a time, and W's gradient made after the backward."""
 
-    def __init__(self, embedding: nn.Module, head: nn.Module, vocab_start: int, padding_idx: Optional[int],
+    def __init__(self, engine, embedding: nn.Module, head: nn.Module, vocab_start: int, padding_idx: Optional[int],
                  scale: Optional[torch.Tensor] = None):
+        from metaseq_ds.private_apis import stop_zero3_gathering, tp_forward_saving_the_parameter, tp_vocab_embedding_forward
+
         self.weight = embedding.weight
         self.vocab_start, self.padding_idx, self.scale = vocab_start, padding_idx, scale
         self.rows, self.width = self.weight.ds_shape  # the shard's (the parameter itself is partitioned)
@@ -74,35 +90,112 @@ class TiedEmbeddingGradient:
         self.group_rank = dist_utils.get_data_parallel_rank()
         self._embedded: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (tokens, gradient of their embeddings)
         self._projected: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (projection input, gradient of its logits)
-        # ZeRO-3's hooks were registered by the engine, so they run before these: the lookup's
-        # output needs no backward when ZeRO-3 sees it, and W is gathered when it is frozen.
-        embedding.forward = torch.no_grad()(embedding.forward)
+        stop_zero3_gathering(engine, (embedding, head))
+        if hasattr(embedding, "vocab_start_index"):
+            embedding.forward = torch.no_grad()(tp_vocab_embedding_forward(embedding, self.lookup))
+        else:
+            embedding.forward = self.lookup
         embedding.register_forward_hook(self._embedding_as_leaf)
-        head.register_forward_pre_hook(self._freeze_weight)
-        head.register_forward_hook(self._keep_projection)
-
-    @staticmethod
-    def _training(module: nn.Module) -> bool:
-        return module.training and torch.is_grad_enabled()
+        if hasattr(head, "vocab_start_index"):  # DeepSpeed's VocabParallelLinear
+            head.forward = tp_forward_saving_the_parameter(head, row_parallel=False, product=self._project)
+        else:
+            head.forward = self._project
 
     def _embedding_as_leaf(self, module: nn.Module, inputs, output: torch.Tensor) -> Optional[torch.Tensor]:
-        if not self._training(module):
+        if not (module.training and torch.is_grad_enabled()):
             return None
         tokens = inputs[0]
         leaf = output.detach().requires_grad_()
         leaf.register_hook(lambda grad: self._embedded.append((tokens, grad)))
         return leaf
 
-    def _freeze_weight(self, module: nn.Module, inputs) -> None:
-        if self._training(module):
-            self.weight.requires_grad_(False)  # the projection's backward then makes no gradient of W
+    def _project(self, features: torch.Tensor) -> torch.Tensor:
+        return _StreamedProjection.apply(features, self)
 
-    def _keep_projection(self, module: nn.Module, inputs, output: torch.Tensor) -> None:
-        if not self._training(module):
-            return
-        self.weight.requires_grad_(True)
-        features = inputs[0]
-        output.register_hook(lambda grad: self._projected.append((features, grad)))
+    @torch.no_grad()
+    def lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        """W's rows `rows` (any shape), a chunk at a time; zeros for rows outside this shard."""
+        flat = rows.reshape(-1)
+        out = torch.zeros(flat.numel(), self.width, dtype=self.weight.ds_tensor.dtype, device=flat.device)
+
+        def add_rows(first: int, block: torch.Tensor) -> None:
+            hits = ((flat >= first) & (flat < first + block.size(0))).nonzero().squeeze(1)
+            out.index_add_(0, hits, block[flat[hits] - first])
+
+        self._each_weight_block(add_rows)
+        return out.view(*rows.shape, self.width)
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """(tokens, width) -> (tokens, rows): the logits of this shard, a chunk at a time."""
+        from metaseq_ds.modules.linear import linear
+
+        logits = features.new_zeros(features.size(0), self.rows)
+
+        def add_logits(first: int, block: torch.Tensor) -> None:
+            logits[:, first:first + block.size(0)] += linear(features, block)
+
+        self._each_weight_block(add_logits)
+        return logits
+
+    def project_back(self, logits_grad: torch.Tensor) -> torch.Tensor:
+        """(tokens, rows) -> (tokens, width): the gradient of the projection's input, a chunk at a
+        time (summed in fp32)."""
+        from metaseq_ds.modules.linear import linear
+
+        total = logits_grad.new_zeros(logits_grad.size(0), self.width, dtype=torch.float32)
+
+        def add_product(first: int, block: torch.Tensor) -> None:
+            total.add_(linear(logits_grad[:, first:first + block.size(0)].contiguous(), block.t()))
+
+        self._each_weight_block(add_product)
+        return total.to(logits_grad.dtype)
+
+    def keep_projection(self, features: torch.Tensor, logits_grad: torch.Tensor) -> None:
+        self._projected.append((features, logits_grad))
+
+    def _chunk_length(self, partition_size: int) -> int:
+        """Elements of each rank's partition in one chunk."""
+        length = max(CHUNK_ELEMENTS // self.group_size, MIN_SLICE_ELEMENTS)
+        return max(1, min(partition_size, length))
+
+    def _each_weight_block(self, visit: Callable[[int, torch.Tensor], None]) -> None:
+        """visit(first row, block of W's rows from there) over all of W, a chunk at a time; a row a
+        chunk holds only part of is zero elsewhere. The blocks are gone when `visit` returns
+        (each chunk is gathered into the same buffer). Every rank of the group must call it."""
+        from deepspeed import comm as deepspeed_comm
+
+        from metaseq_ds.private_apis import zero3_partition_start
+
+        partition = self.weight.ds_tensor  # flat: this rank's slice of the padded W
+        size, end_of_weight = partition.numel(), self.rows * self.width
+        step = self._chunk_length(size)
+        buffer = None if self.group_size == 1 else partition.new_empty(self.group_size * step)
+        for offset in range(0, size, step):
+            length = min(step, size - offset)
+            mine = partition.narrow(0, offset, length)
+            if buffer is None:
+                slices = mine.view(1, length)
+            else:
+                slices = buffer[:self.group_size * length].view(self.group_size, length)
+                deepspeed_comm.allgather_fn(slices.view(-1), mine, group=self.group)
+            if length == size:  # whole partitions: together, W
+                visit(0, slices.view(-1)[:end_of_weight].view(self.rows, self.width))
+                continue
+            for rank in range(self.group_size):
+                start = zero3_partition_start(self.weight, rank) + offset
+                end = min(start + length, end_of_weight)
+                if start < end:
+                    first, last = self._rows_of(start, end)
+                    if start == first * self.width and end == last * self.width:
+                        visit(first, slices[rank, :end - start].view(last - first, self.width))
+                    else:
+                        block = slices.new_zeros(last - first, self.width)
+                        block.view(-1)[start - first * self.width:end - first * self.width] = slices[rank, :end - start]
+                        visit(first, block)
+
+    def _rows_of(self, start: int, end: int) -> Tuple[int, int]:
+        """The rows that flat positions [start, end) of W fall in: [first, last)."""
+        return start // self.width, (end - 1) // self.width + 1
 
     @torch.no_grad()
     def add_to_gradient_partition(self, first_micro_step: bool) -> None:
@@ -116,11 +209,11 @@ class TiedEmbeddingGradient:
 
         partition = safe_get_local_grad(self.weight)  # flat: this rank's slice of the padded W
         # In the training dtype, as autograd would have multiplied them (bf16 products run on oneDNN)
-        projected = [(features.reshape(-1, self.width), self._local_logits(grad)) for features, grad in self._projected]
+        projected = [(features.reshape(-1, self.width), grad.reshape(-1, self.rows)) for features, grad in self._projected]
         rows, row_grads = self._embedded_rows(partition.device)
         self._projected, self._embedded = [], []
         size = partition.numel()
-        step = max(1, min(size, CHUNK_ELEMENTS // self.group_size))
+        step = self._chunk_length(size)
         for offset in range(0, size, step):
             length = min(step, size - offset)
             slices = torch.zeros(self.group_size, length, device=partition.device)
@@ -137,11 +230,6 @@ class TiedEmbeddingGradient:
             else:
                 target.add_(mine)
         safe_set_local_grad(self.weight, partition)
-
-    def _local_logits(self, grad: torch.Tensor) -> torch.Tensor:
-        """(tokens, shard rows): the gradient of this shard's logits (gathered logits hold them all)."""
-        grad = grad.reshape(-1, grad.size(-1))
-        return grad if grad.size(1) == self.rows else grad[:, self.vocab_start:self.vocab_start + self.rows]
 
     def _embedded_rows(self, device: torch.device) -> Tuple[torch.Tensor, torch.Tensor]:
         """(n,) rows of this shard the embedding looked up and their (n, width) fp32 gradients."""
@@ -161,7 +249,7 @@ class TiedEmbeddingGradient:
         the padding past W's end stays zero)."""
         if start >= end:
             return
-        first, last = start // self.width, (end - 1) // self.width + 1  # the rows those positions fall in
+        first, last = self._rows_of(start, end)
         block = torch.zeros(last - first, self.width, device=out.device)
         for features, logits_grad in projected:
             if features.dtype == block.dtype:
@@ -171,3 +259,22 @@ class TiedEmbeddingGradient:
         inside = (rows >= first) & (rows < last)
         block.index_add_(0, rows[inside] - first, row_grads[inside])
         out[: end - start] = block.view(-1)[start - first * self.width:end - first * self.width]
+
+
+class _StreamedProjection(torch.autograd.Function):
+    """features @ Wᵀ for this shard's rows, W read a chunk at a time; the backward gives the
+    features' gradient and keeps the logits' for W's (no gradient of W through autograd)."""
+
+    @staticmethod
+    def forward(ctx, features: torch.Tensor, tied: StreamedTiedEmbedding) -> torch.Tensor:
+        ctx.tied = tied
+        ctx.save_for_backward(features)
+        rows = features.reshape(-1, tied.width)
+        return tied.project(rows).view(*features.shape[:-1], tied.rows)
+
+    @staticmethod
+    def backward(ctx, logits_grad: torch.Tensor):
+        (features,) = ctx.saved_tensors
+        ctx.tied.keep_projection(features, logits_grad)
+        features_grad = ctx.tied.project_back(logits_grad.reshape(-1, ctx.tied.rows))
+        return features_grad.view_as(features), None

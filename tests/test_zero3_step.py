@@ -1,0 +1,84 @@
+"""ZeRO-3's step without its transient gradient copies (`optim.zero3_step`): the gradient norm
+taken over pieces is DeepSpeed's, the optimizer reads the flat gradient buffer in fp32 (a
+concatenated copy in bf16), and training is the same, with clipping, over several sub-groups.
+
+The engine runs in a child process (one rank: DeepSpeed needs a process group, which the rest
+of the test session should not inherit).
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from launch import env
+
+
+def run_steps(lean: bool, bf16: bool) -> dict:
+    import deepspeed
+    import torch
+
+    from metaseq_ds import private_apis
+    from metaseq_ds.distributed import utils as dist_utils
+    from metaseq_ds.optim.zero3_step import lean_zero3_step
+
+    dist_utils.init_distributed()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    # sub-groups of at most 500 of the 1348 parameters: the first weight alone, then the three
+    # others; a clipping norm the gradients exceed, so the norm scales every update
+    config = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 3, "sub_group_size": 500},
+              "zero_allow_untested_optimizer": True, "gradient_clipping": 0.05, "bf16": {"enabled": bf16}}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    zero = engine.optimizer
+    buffer = private_apis.zero3_gradient_buffer(zero).untyped_storage().data_ptr()
+    grads_in_buffer, norm_pieces = [], []
+    inner_step, norm = zero.optimizer.step, zero.get_grad_norm_direct
+
+    def recording_step(*args, **kwargs):  # what the optimizer reads as gradients
+        grads_in_buffer.extend(p.grad.untyped_storage().data_ptr() == buffer
+                               for group in zero.optimizer.param_groups for p in group["params"])
+        return inner_step(*args, **kwargs)
+
+    def recording_norm(gradients, params, *args):  # what DeepSpeed's norm gets
+        norm_pieces.append(len(gradients))
+        return norm(gradients, params, *args)
+
+    zero.optimizer.step, zero.get_grad_norm_direct = recording_step, recording_norm
+    applied = lean and lean_zero3_step(engine, norm_chunk_elements=100)  # the 1024-element weight in 11 pieces
+    losses, norms = [], []
+    for step in range(4):
+        generator = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator)
+        loss = torch.nn.functional.mse_loss(engine(x.to(engine.module[0].weight.dtype)), y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        norms.append(float(engine.get_global_grad_norm()))
+    return {"applied": applied, "losses": losses, "norms": norms, "grads_in_buffer": grads_in_buffer,
+            "norm_pieces": norm_pieces}
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+def test_lean_zero3_step_trains_the_same_without_gradient_copies(bf16):
+    out = subprocess.run([sys.executable, __file__, str(int(bf16))], capture_output=True, text=True, env=env(),
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    plain, lean = json.loads(out.stdout.strip().splitlines()[-1])
+    assert lean["applied"] and not plain["applied"]
+    assert lean["losses"] == plain["losses"]
+    assert lean["norms"] == pytest.approx(plain["norms"], rel=1e-12) and min(plain["norms"]) > 0.05  # clipped
+    # per step, the norm of each sub-group: DeepSpeed's sees 1 and 3 gradients; ours the first
+    # weight's 1024 elements in 11 pieces, then the other three (64 + 256 + 4: 1, 3 and 1 pieces)
+    assert plain["norm_pieces"] == [1, 3] * 4 and lean["norm_pieces"] == [11, 5] * 4
+    # fp32: the first sub-group, one tensor, is read in the buffer either way, the second is
+    # DeepSpeed's copy or ours in place; bf16 needs both copies (the conversion to fp32)
+    assert plain["grads_in_buffer"] == ([False, False] if bf16 else [True, False]) * 4
+    assert lean["grads_in_buffer"] == ([False, False] if bf16 else [True, True]) * 4
+
+
+if __name__ == "__main__":
+    bf16 = bool(int(sys.argv[1]))
+    print(json.dumps([run_steps(lean=False, bf16=bf16), run_steps(lean=True, bf16=bf16)]))
