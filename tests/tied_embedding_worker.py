@@ -82,10 +82,12 @@ def main():
     criterion = CrossEntropyCriterion(Task())
     report = {}
     # chunks of 50 elements: 25 of each rank's 768-element partition of W (48 x 32), across rows;
-    # "one_row" keeps the defaults, under which W's partitions are small enough to come whole.
+    # of 64: one row of each rank's; "one_row" keeps the defaults, under which W's partitions are
+    # small enough to come whole.
     whole = (tied_embedding.CHUNK_ELEMENTS, tied_embedding.MIN_SLICE_ELEMENTS)
     for case, micro_steps, rows, (chunk, min_slice), bf16 in (
             ("one_row", 1, 1, whole, False), ("three_rows_small_chunks", 1, 3, (50, 1), False),
+            ("three_rows_chunks_of_whole_rows", 1, 3, (64, 1), False),
             ("one_row_2_micro_steps", 2, 1, (50, 1), False), ("bf16_three_rows_small_chunks", 1, 3, (50, 1), True)):
         tied_embedding.CHUNK_ELEMENTS, tied_embedding.MIN_SLICE_ELEMENTS = chunk, min_slice
         expected, expected_losses = reference_grads(plain, criterion, micro_steps, rows)

@@ -129,12 +129,20 @@ class StreamedTiedEmbedding:
         """(tokens, width) -> (tokens, rows): the logits of this shard, a chunk at a time."""
         from metaseq_ds.modules.linear import linear
 
-        logits = features.new_zeros(features.size(0), self.rows)
+        # Blocks of whole rows (OPT's widths divide the partitions) write their columns once;
+        # otherwise a row's parts add up. (Zeroing fresh logits costs as much as their product.)
+        whole_rows = self._blocks_hold_whole_rows()
+        shape = (features.size(0), self.rows)
+        logits = features.new_empty(shape) if whole_rows else features.new_zeros(shape)
 
-        def add_logits(first: int, block: torch.Tensor) -> None:
-            logits[:, first:first + block.size(0)] += linear(features, block)
+        def put_logits(first: int, block: torch.Tensor) -> None:
+            columns = logits[:, first:first + block.size(0)]
+            if whole_rows:
+                columns.copy_(linear(features, block))
+            else:
+                columns += linear(features, block)
 
-        self._each_weight_block(add_logits)
+        self._each_weight_block(put_logits)
         return logits
 
     def project_back(self, logits_grad: torch.Tensor) -> torch.Tensor:
@@ -152,6 +160,12 @@ class StreamedTiedEmbedding:
 
     def keep_projection(self, features: torch.Tensor, logits_grad: torch.Tensor) -> None:
         self._projected.append((features, logits_grad))
+
+    def _blocks_hold_whole_rows(self) -> bool:
+        """Whether every chunk's slices start and end at row boundaries."""
+        size = self.weight.ds_tensor.numel()
+        step = self._chunk_length(size)
+        return step == size or (size % self.width == 0 and step % self.width == 0)
 
     def _chunk_length(self, partition_size: int) -> int:
         """Elements of each rank's partition in one chunk."""
