@@ -46,6 +46,36 @@ def tree_digest(folder: Path) -> str:
     return digest.hexdigest()
 
 
+def tiny_zero_engine(zero: dict, gradient_clipping: float = 1.0, bf16: bool = False):
+    """A DeepSpeed engine on one rank (in a child process: it joins a process group) over a tiny
+    MLP (16 -> 64 -> 4, 1348 parameters, seeded) with AdamW, under the `zero` section given."""
+    import deepspeed
+    import torch
+
+    from metaseq_ds.distributed import utils as dist_utils
+
+    dist_utils.init_distributed()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    config = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": zero, "zero_allow_untested_optimizer": True,
+              "gradient_clipping": gradient_clipping, "bf16": {"enabled": bf16}}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
+def tiny_zero_step(engine, step: int) -> float:
+    """One update of `tiny_zero_engine` on a seeded regression batch; its loss."""
+    import torch
+
+    generator = torch.Generator().manual_seed(step)
+    x, y = torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator)
+    loss = torch.nn.functional.mse_loss(engine(x.to(engine.module[0].weight.dtype)), y)
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
 def env() -> Dict[str, str]:
     out = dict(os.environ)
     out.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")

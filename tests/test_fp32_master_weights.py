@@ -10,36 +10,21 @@ import sys
 
 import pytest
 
-from launch import env
+from launch import env, tiny_zero_engine, tiny_zero_step
 
 
 def run_steps(stage: int, share: bool) -> dict:
-    import deepspeed
     import torch
     from deepspeed.utils import safe_get_full_fp32_param
 
     from metaseq_ds import private_apis
-    from metaseq_ds.distributed import utils as dist_utils
     from metaseq_ds.optim.fp32_master_weights import share_fp32_master_weights
 
-    dist_utils.init_distributed()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
-    config = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": stage},
-              "zero_allow_untested_optimizer": True, "gradient_clipping": 1.0}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    engine = tiny_zero_engine({"stage": stage})
     freed = share_fp32_master_weights(engine) if share else 0
     pairs = (private_apis.zero3_flat_partitions if stage == 3 else private_apis.zero12_flat_partitions)(engine.optimizer)
     shared = all(m.untyped_storage().data_ptr() == p.untyped_storage().data_ptr() for m, p in pairs)
-    losses = []
-    for step in range(4):
-        generator = torch.Generator().manual_seed(step)
-        x, y = torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator)
-        loss = torch.nn.functional.mse_loss(engine(x), y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = [tiny_zero_step(engine, step) for step in range(4)]
     # DeepSpeed's per-parameter view of the master weights (universal checkpoints, resharding)
     # still reads the values the model trains with
     master_views_current = stage == 3 or all(

@@ -20,3 +20,19 @@ def test_zero3_losses_and_gradients_with_the_streamed_tied_embedding_equal_plain
     # DeepSpeed's own parameters get (measured 0.7% of the largest element; a lost part: ~100%)
     bf16 = report["bf16_three_rows_small_chunks"]
     assert bf16["embedding_worst"] < 0.03 * bf16["embedding_grad_max"] and bf16["embedding_worst"] <= bf16["worst"], bf16
+
+
+def test_chunks_at_707m_on_4_ranks_and_at_opt_175b_on_1024_ranks():
+    from metaseq_ds.distributed.tied_embedding import chunk_length
+
+    vocabulary = 50272
+    # 707M (width 2048) at TP=2 x DP=2: each rank's partition of W's shard is 25.7M elements; seven
+    # chunks of whole rows, the largest 32 MiB gathered (in fp32) where ZeRO-3 gathered 206 MB
+    partition = vocabulary // 2 * 2048 // 2
+    length = chunk_length(partition, group_size=2)
+    assert -(-partition // length) == 7 and length % 2048 == 0 and partition % 2048 == 0
+    assert 2 * length * 4 == 32 * 2**20
+    # opt_175b (width 12288) at TP=8 x DP=128: a partition is 0.6M elements, below the slice
+    # minimum, so W's shard (154 MB in bf16) comes in one chunk, one product
+    partition = vocabulary // 8 * 12288 // 128
+    assert chunk_length(partition, group_size=128) == partition == 603_264

@@ -12,26 +12,16 @@ import sys
 
 import pytest
 
-from launch import env
+from launch import env, tiny_zero_engine, tiny_zero_step
 
 
 def run_steps(lean: bool, bf16: bool) -> dict:
-    import deepspeed
-    import torch
-
     from metaseq_ds import private_apis
-    from metaseq_ds.distributed import utils as dist_utils
     from metaseq_ds.optim.zero3_step import lean_zero3_step
 
-    dist_utils.init_distributed()
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
     # sub-groups of at most 500 of the 1348 parameters: the first weight alone, then the three
     # others; a clipping norm the gradients exceed, so the norm scales every update
-    config = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": {"stage": 3, "sub_group_size": 500},
-              "zero_allow_untested_optimizer": True, "gradient_clipping": 0.05, "bf16": {"enabled": bf16}}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    engine = tiny_zero_engine({"stage": 3, "sub_group_size": 500}, gradient_clipping=0.05, bf16=bf16)
     zero = engine.optimizer
     buffer = private_apis.zero3_gradient_buffer(zero).untyped_storage().data_ptr()
     grads_in_buffer, norm_pieces = [], []
@@ -50,12 +40,7 @@ def run_steps(lean: bool, bf16: bool) -> dict:
     applied = lean and lean_zero3_step(engine, norm_chunk_elements=100)  # the 1024-element weight in 11 pieces
     losses, norms = [], []
     for step in range(4):
-        generator = torch.Generator().manual_seed(step)
-        x, y = torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator)
-        loss = torch.nn.functional.mse_loss(engine(x.to(engine.module[0].weight.dtype)), y)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+        losses.append(tiny_zero_step(engine, step))
         norms.append(float(engine.get_global_grad_norm()))
     return {"applied": applied, "losses": losses, "norms": norms, "grads_in_buffer": grads_in_buffer,
             "norm_pieces": norm_pieces}

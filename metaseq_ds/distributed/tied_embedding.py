@@ -75,6 +75,12 @@ def stream_tied_embedding(engine) -> Optional["StreamedTiedEmbedding"]:
     return None
 
 
+def chunk_length(partition_size: int, group_size: int) -> int:
+    """Elements of each rank's partition of W in one chunk (the whole partition: W in one chunk)."""
+    length = max(CHUNK_ELEMENTS // group_size, MIN_SLICE_ELEMENTS)
+    return max(1, min(partition_size, length))
+
+
 class StreamedTiedEmbedding:
     """W's lookup and projection a chunk at a time, and W's gradient made after the backward."""
 
@@ -168,9 +174,7 @@ class StreamedTiedEmbedding:
         return step == size or (size % self.width == 0 and step % self.width == 0)
 
     def _chunk_length(self, partition_size: int) -> int:
-        """Elements of each rank's partition in one chunk."""
-        length = max(CHUNK_ELEMENTS // self.group_size, MIN_SLICE_ELEMENTS)
-        return max(1, min(partition_size, length))
+        return chunk_length(partition_size, self.group_size)
 
     def _each_weight_block(self, visit: Callable[[int, torch.Tensor], None]) -> None:
         """visit(first row, block of W's rows from there) over all of W, a chunk at a time; a row a
