@@ -237,17 +237,23 @@ def stop_zero3_gathering(engine, modules) -> None:
             handle.remove()
 
 
-def zero3_gradient_norms_in_pieces(zero_optimizer, piece_elements: int) -> None:
-    """Make ZeRO-3's gradient norm (`get_grad_norm_direct(gradients, params)`, which copies each
-    gradient to fp64 whole) see gradients of more than `piece_elements` as consecutive pieces,
-    each paired with its parameter: the same norm, in fp64, with a transient of one piece.
-    (Checked by tests/test_zero3_step.py: the same norms and losses.)"""
-    require_tested("deepspeed", "DeepSpeedZeroOptimizer_Stage3.get_grad_norm_direct(gradients, params)")
+def zero_gradient_norms_in_pieces(zero_optimizer, piece_elements: int) -> None:
+    """Make a ZeRO-1/2/3 optimizer's gradient norm (`get_grad_norm_direct(gradients, params)`,
+    which copies each gradient to fp64 whole) see gradients of more than `piece_elements` as
+    consecutive pieces, each paired with its parameter: the same norm, in fp64, with a transient
+    of one piece. ZeRO-1/2's padding tensors (`_zero_padding`, which its norm skips and pairs with
+    no parameter) pass as they are. (Checked by tests/test_zero_step.py: the same norms and
+    losses, the pieces reach DeepSpeed's norm.)"""
+    require_tested("deepspeed", "the ZeRO optimizers' get_grad_norm_direct(gradients, params) and _zero_padding")
     norm_of_whole_gradients = zero_optimizer.get_grad_norm_direct
 
     def norm_of_pieces(gradients, params, norm_type=2):
-        pieces, owners = [], []
-        for gradient, param in zip(gradients, params):
+        pieces, owners, params = [], [], iter(params)
+        for gradient in gradients:
+            if getattr(gradient, "_zero_padding", False):
+                pieces.append(gradient)
+                continue
+            param = next(params)
             parts = gradient.reshape(-1).split(piece_elements) if gradient.numel() > piece_elements else (gradient,)
             pieces.extend(parts)
             owners.extend([param] * len(parts))
@@ -263,7 +269,7 @@ def zero3_step_on_the_gradient_buffer(zero_optimizer) -> None:
     training that is a copy of up to a sub-group (12 d*d elements: 200 MB at width 2048) on top
     of the step. Sub-groups whose gradients are not adjacent fp32 spans of that buffer (bf16, fp16
     training) keep DeepSpeed's copy. The buffer is then unscaled and clipped in place; ZeRO-3
-    overwrites it at the next update's first micro-step. (Checked by tests/test_zero3_step.py: the
+    overwrites it at the next update's first micro-step. (Checked by tests/test_zero_step.py: the
     same losses, the optimizer reads the buffer.)"""
     require_tested("deepspeed", "DeepSpeedZeroOptimizer_Stage3._prepare_fp32_grad_for_sub_group and averaged_gradients")
     concatenate = zero_optimizer._prepare_fp32_grad_for_sub_group

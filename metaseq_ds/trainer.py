@@ -34,7 +34,7 @@ from metaseq_ds.logging import metrics
 from metaseq_ds.optim import build_optimizer
 from metaseq_ds.optim.lr_scheduler import build_lr_scheduler
 from metaseq_ds.optim.fp32_master_weights import share_fp32_master_weights
-from metaseq_ds.optim.zero3_step import lean_zero3_step
+from metaseq_ds.optim.zero_step import lean_zero_step
 from metaseq_ds.validation import validation_loss
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class Trainer:
         )
         use_weights_only_loading(self.engine)
         share_fp32_master_weights(self.engine)  # ZeRO in fp32: no second copy of the parameters
-        lean_zero3_step(self.engine)  # ZeRO-3's step: no transient copies of gradients
+        lean_zero_step(self.engine)  # ZeRO's step: no transient copies of whole gradients
         # ZeRO-3 with a tied embedding: its weight read and its gradient made chunk by chunk
         self.tied_embedding = stream_tied_embedding(self.engine)
         self.model = self.engine  # criterion(model, sample) runs the engine's forward
