@@ -108,7 +108,8 @@ def tp_forward_saving_the_parameter(layer, row_parallel: bool, product: Optional
 
     if type(layer).tp_overlap_comm or layer.defer_collectives_to_compiler:
         if product is not None:
-            raise NotImplementedError("a streamed product under DeepSpeed's overlapped or compiler-deferred TP collectives")
+            raise NotImplementedError(
+                "a streamed product under DeepSpeed's overlapped or compiler-deferred TP collectives")
         return layer.forward
     if product is None:
         def product(input):

@@ -86,7 +86,8 @@ class StreamedTiedEmbedding:
 
     def __init__(self, engine, embedding: nn.Module, head: nn.Module, vocab_start: int, padding_idx: Optional[int],
                  scale: Optional[torch.Tensor] = None):
-        from metaseq_ds.private_apis import stop_zero3_gathering, tp_forward_saving_the_parameter, tp_vocab_embedding_forward
+        from metaseq_ds.private_apis import (stop_zero3_gathering, tp_forward_saving_the_parameter,
+                                             tp_vocab_embedding_forward)
 
         self.weight = embedding.weight
         self.vocab_start, self.padding_idx, self.scale = vocab_start, padding_idx, scale
@@ -227,7 +228,8 @@ class StreamedTiedEmbedding:
 
         partition = safe_get_local_grad(self.weight)  # flat: this rank's slice of the padded W
         # In the training dtype, as autograd would have multiplied them (bf16 products run on oneDNN)
-        projected = [(features.reshape(-1, self.width), grad.reshape(-1, self.rows)) for features, grad in self._projected]
+        projected = [(features.reshape(-1, self.width), grad.reshape(-1, self.rows))
+                     for features, grad in self._projected]
         rows, row_grads = self._embedded_rows(partition.device)
         self._projected, self._embedded = [], []
         size = partition.numel()
