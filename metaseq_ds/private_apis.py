@@ -134,7 +134,8 @@ def tp_vocab_embedding_forward(layer, lookup: Callable[[Any], Any]):
     """DeepSpeed's `VocabParallelEmbedding.forward` with its local lookup replaced by
     `lookup(rows)`: the rows of this rank's vocabulary shard, zeros for rows outside it (so no
     mask is needed). Same collective (its `RowParallel` sum over the tensor-parallel group) and
-    scale. (Checked on 2 ranks by tests/test_tensor_parallel.py: TP=2 x ZeRO-3 parity.)"""
+    scale. (Checked by tests/test_tensor_parallel.py: TP=2 x DP=2 under ZeRO-3, on 4 ranks,
+    follows one rank's losses.)"""
     require_tested("deepspeed", "module_inject.layers' VocabParallelEmbedding attributes and RowParallel")
     from deepspeed.module_inject import layers as tp
 

@@ -38,7 +38,7 @@ partition of W is 0.6M elements, so W's shard (154 MB in bf16, a third of a laye
 gathered in one chunk, as ZeRO-3 would; at 707M on 4 ranks (TP=2) in seven of at most 32 MB.
 """
 
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -171,11 +171,21 @@ class StreamedTiedEmbedding:
     def _blocks_hold_whole_rows(self) -> bool:
         """Whether every chunk's slices start and end at row boundaries."""
         size = self.weight.ds_tensor.numel()
-        step = self._chunk_length(size)
+        step = chunk_length(size, self.group_size)
         return step == size or (size % self.width == 0 and step % self.width == 0)
 
-    def _chunk_length(self, partition_size: int) -> int:
-        return chunk_length(partition_size, self.group_size)
+    def _chunks(self, partition_size: int) -> Iterator[Tuple[int, int, List[Tuple[int, int, int]]]]:
+        """The chunk plan W's reads and its gradient share: per chunk (offset, length, ranges),
+        where each range (rank, start, end) is the flat positions of W that rank's partition holds
+        at [offset, offset + length), cut at W's end (empty in the padding after it)."""
+        from metaseq_ds.private_apis import zero3_partition_start
+
+        step, end_of_weight = chunk_length(partition_size, self.group_size), self.rows * self.width
+        for offset in range(0, partition_size, step):
+            length = min(step, partition_size - offset)
+            starts = [zero3_partition_start(self.weight, rank) + offset for rank in range(self.group_size)]
+            yield offset, length, [(rank, start, min(start + length, end_of_weight))
+                                   for rank, start in enumerate(starts)]
 
     def _each_weight_block(self, visit: Callable[[int, torch.Tensor], None]) -> None:
         """visit(first row, block of W's rows from there) over all of W, a chunk at a time; a row a
@@ -183,14 +193,11 @@ class StreamedTiedEmbedding:
         (each chunk is gathered into the same buffer). Every rank of the group must call it."""
         from deepspeed import comm as deepspeed_comm
 
-        from metaseq_ds.private_apis import zero3_partition_start
-
         partition = self.weight.ds_tensor  # flat: this rank's slice of the padded W
-        size, end_of_weight = partition.numel(), self.rows * self.width
-        step = self._chunk_length(size)
+        size = partition.numel()
+        step = chunk_length(size, self.group_size)
         buffer = None if self.group_size == 1 else partition.new_empty(self.group_size * step)
-        for offset in range(0, size, step):
-            length = min(step, size - offset)
+        for offset, length, ranges in self._chunks(size):
             mine = partition.narrow(0, offset, length)
             if buffer is None:
                 slices = mine.view(1, length)
@@ -198,11 +205,9 @@ class StreamedTiedEmbedding:
                 slices = buffer[:self.group_size * length].view(self.group_size, length)
                 deepspeed_comm.allgather_fn(slices.view(-1), mine, group=self.group)
             if length == size:  # whole partitions: together, W
-                visit(0, slices.view(-1)[:end_of_weight].view(self.rows, self.width))
+                visit(0, slices.view(-1)[:self.rows * self.width].view(self.rows, self.width))
                 continue
-            for rank in range(self.group_size):
-                start = zero3_partition_start(self.weight, rank) + offset
-                end = min(start + length, end_of_weight)
+            for rank, start, end in ranges:
                 if start < end:
                     first, last = self._rows_of(start, end)
                     if start == first * self.width and end == last * self.width:
@@ -224,22 +229,16 @@ class StreamedTiedEmbedding:
         from deepspeed import comm as deepspeed_comm
         from deepspeed.utils import safe_get_local_grad, safe_set_local_grad
 
-        from metaseq_ds.private_apis import zero3_partition_start
-
         partition = safe_get_local_grad(self.weight)  # flat: this rank's slice of the padded W
         # In the training dtype, as autograd would have multiplied them (bf16 products run on oneDNN)
         projected = [(features.reshape(-1, self.width), grad.reshape(-1, self.rows))
                      for features, grad in self._projected]
         rows, row_grads = self._embedded_rows(partition.device)
         self._projected, self._embedded = [], []
-        size = partition.numel()
-        step = self._chunk_length(size)
-        for offset in range(0, size, step):
-            length = min(step, size - offset)
+        for offset, length, ranges in self._chunks(partition.numel()):
             slices = torch.zeros(self.group_size, length, device=partition.device)
-            for rank in range(self.group_size):
-                start = zero3_partition_start(self.weight, rank) + offset
-                self._fill(slices[rank], start, min(start + length, self.rows * self.width), projected, rows, row_grads)
+            for rank, start, end in ranges:
+                self._fill(slices[rank], start, end, projected, rows, row_grads)
             mine = slices[self.group_rank]
             if self.group_size > 1:  # through DeepSpeed's backend: in place on gloo (gloo_collectives)
                 deepspeed_comm.reduce_scatter_fn(mine, slices.view(-1), group=self.group)
