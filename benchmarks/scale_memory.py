@@ -22,7 +22,7 @@ parameters differently once it has traced a step). Theory: 16 bytes a parameter
                  4 bytes a parameter of the TP share (fp32 weights, nothing else)
 
 The acceptance is peak <= 1.25 x theory over the whole run. Peaks include Python, torch and
-DeepSpeed themselves (~0.5 GiB a rank on this machine: printed as the "base" line, the peak of
+DeepSpeed themselves (~0.25 GiB a rank on this machine: printed as the "base" line, the peak of
 a rank that only imported them and joined the process group).
 """
 
@@ -197,7 +197,7 @@ def main() -> None:
         for rank, report in enumerate(measured["reports"]):
             peaks = report["peaks"]
             line = ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in peaks.items())
-            print(f"  rank {rank}: {line}; whole run {max(peaks.values()) / theory:.2f}x theory")
+            print(f"  rank {rank}: {line}; whole run {max(peaks.values()) / theory:.3f}x theory")
     if total:
         print(f"\nparameters: {total / 1e6:.1f}M")
 
@@ -214,7 +214,7 @@ def report_generation() -> None:
     for rank, report in enumerate(measured["reports"]):
         peaks = report["peaks"]
         line = ", ".join(f"{k} {v / GIB:.2f} GiB" for k, v in peaks.items())
-        print(f"  rank {rank}: {line}; whole run {max(peaks.values()) / theory:.2f}x theory, "
+        print(f"  rank {rank}: {line}; whole run {max(peaks.values()) / theory:.3f}x theory, "
               f"{(max(peaks.values()) - peaks['base']) / theory:.2f}x above the base")
 
 

@@ -30,6 +30,7 @@ from metaseq_ds.distributed.deepspeed_config import optimizer_group_limit, param
 from metaseq_ds.distributed.safe_checkpoint_loading import use_weights_only_loading
 from metaseq_ds.distributed.tied_embedding import StreamedTiedEmbedding, stream_tied_embedding
 from metaseq_ds.errors import UsageError
+from metaseq_ds.host_memory import release_freed_heap
 from metaseq_ds.logging import metrics
 from metaseq_ds.optim import build_optimizer
 from metaseq_ds.optim.lr_scheduler import build_lr_scheduler
@@ -129,6 +130,8 @@ class Trainer:
             if index == len(samples) - 1 and self._plain_optimizer:
                 gnorm = self._local_grad_norm()
             self.engine.step()
+        if self.engine.device.type == "cpu":
+            release_freed_heap()  # a CPU rank's heap keeps the step's freed transients resident
         self.num_updates += 1
         lr = self.lr_scheduler.step_update(self.num_updates)
         (total_loss,) = self._sum_over_replicas([loss_sum])

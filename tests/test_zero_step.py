@@ -1,7 +1,7 @@
-"""ZeRO's step without its transient gradient copies (`optim.zero_step`): the gradient norm
-taken over pieces is DeepSpeed's (ZeRO-1/2/3), ZeRO-3's optimizer reads the flat gradient buffer
-in fp32 (a concatenated copy in bf16), and training is the same, with clipping, over several
-ZeRO-3 sub-groups.
+"""ZeRO's gradients and step without their transient copies (`optim.zero_step`): the gradient
+norm taken over pieces is DeepSpeed's (ZeRO-1/2/3), ZeRO-3's optimizer reads the flat gradient
+buffer in fp32 (a concatenated copy in bf16), ZeRO-3 reduces a full gradient bucket at once,
+and training is the same, with clipping, over several ZeRO-3 sub-groups.
 
 The engine runs in a child process (one rank: DeepSpeed needs a process group, which the rest
 of the test session should not inherit).
@@ -21,8 +21,10 @@ def run_steps(stage: int, lean: bool, bf16: bool) -> dict:
     from metaseq_ds.optim.zero_step import lean_zero_step
 
     # ZeRO-3: sub-groups of at most 500 of the 1348 parameters, the first weight alone, then the
-    # three others; a clipping norm the gradients exceed, so the norm scales every update
-    engine = tiny_zero_engine({"stage": stage, "sub_group_size": 500}, gradient_clipping=0.05, bf16=bf16)
+    # three others; gradient buckets of 500 elements, which that weight's 1024 overfill; a
+    # clipping norm the gradients exceed, so the norm scales every update
+    zero_config = {"stage": stage, "sub_group_size": 500, "reduce_bucket_size": 500}
+    engine = tiny_zero_engine(zero_config, gradient_clipping=0.05, bf16=bf16)
     zero = engine.optimizer
     grads_in_buffer, norm_pieces = [], []
     inner_step, norm = zero.optimizer.step, zero.get_grad_norm_direct
@@ -41,12 +43,21 @@ def run_steps(stage: int, lean: bool, bf16: bool) -> dict:
         zero.optimizer.step = recording_step
     zero.get_grad_norm_direct = recording_norm
     applied = lean and lean_zero_step(engine, norm_chunk_elements=100)  # the 1024-element weight in 11 pieces
+    bucket_left = []  # elements a gradient bucket holds once each gradient has been handed to it
+    if stage == 3:
+        add_to_bucket = zero.reduce_independent_p_g_buckets_and_remove_grads
+
+        def recording_add(param):
+            add_to_bucket(param)
+            bucket_left.append(max(bucket.elements for bucket in zero.ipg_buckets.values()))
+
+        zero.reduce_independent_p_g_buckets_and_remove_grads = recording_add
     losses, norms = [], []
     for step in range(4):
         losses.append(tiny_zero_step(engine, step))
         norms.append(float(engine.get_global_grad_norm()))
     return {"applied": applied, "losses": losses, "norms": norms, "grads_in_buffer": grads_in_buffer,
-            "norm_pieces": norm_pieces}
+            "norm_pieces": norm_pieces, "bucket_left": bucket_left}
 
 
 def run_pair(stage: int, bf16: bool):
@@ -69,6 +80,10 @@ def test_lean_zero3_step_trains_the_same_without_gradient_copies(bf16):
     # DeepSpeed's copy or ours in place; bf16 needs both copies (the conversion to fp32)
     assert plain["grads_in_buffer"] == ([False, False] if bf16 else [True, False]) * 4
     assert lean["grads_in_buffer"] == ([False, False] if bf16 else [True, True]) * 4
+    # four gradients a step; DeepSpeed holds the 1024-element one in its bucket until the end of
+    # the backward, ours reduces it at once
+    assert len(plain["bucket_left"]) == len(lean["bucket_left"]) == 16
+    assert max(plain["bucket_left"]) == 1024 and max(lean["bucket_left"]) < 500
 
 
 @pytest.mark.parametrize("stage", [1, 2])

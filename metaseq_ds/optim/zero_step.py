@@ -1,4 +1,4 @@
-"""ZeRO's optimizer step without transient copies of whole gradients.
+"""ZeRO's gradient reduction and optimizer step without transient copies of whole gradients.
 
     lean_zero_step(engine)  # right after deepspeed.initialize (and share_fp32_master_weights)
 
@@ -14,13 +14,18 @@ already lie one after another in its flat gradient buffer, into a new tensor for
 optimizer: in fp32 training a copy of up to a sub-group (12 d*d elements: 200 MB at width
 2048). In fp32 the optimizer now reads them in the buffer. bf16 and fp16 training need that
 copy: it converts them to fp32.
+
+Before the step, in the backward, ZeRO-3 buckets gradients for their reduce-scatter but finds
+a bucket full only when the next gradient would not fit, so a gradient larger than the bucket
+(a layer's FFN matrices, unless tensor parallelism cuts them below d*d) stayed whole through the
+next module's backward. A full bucket is now reduced at once.
 """
 
 NORM_CHUNK_ELEMENTS = 2**20
 
 
 def lean_zero_step(engine, norm_chunk_elements: int = NORM_CHUNK_ELEMENTS) -> bool:
-    """Both changes where they apply: ZeRO-1/2/3 without optimizer offload (whose step reads
+    """These changes where they apply: ZeRO-1/2/3 without optimizer offload (whose step reads
     offloaded gradients another way); whether anything was changed."""
     stage = engine.zero_optimization_stage()
     if stage == 0 or engine.zero_cpu_offload():
@@ -30,4 +35,5 @@ def lean_zero_step(engine, norm_chunk_elements: int = NORM_CHUNK_ELEMENTS) -> bo
     private_apis.zero_gradient_norms_in_pieces(engine.optimizer, norm_chunk_elements)
     if stage == 3:
         private_apis.zero3_step_on_the_gradient_buffer(engine.optimizer)
+        private_apis.zero3_reduce_full_buckets_at_once(engine.optimizer)
     return True
