@@ -17,11 +17,11 @@ device's caching allocator, so trainers call this for CPU devices only.
 import ctypes
 import ctypes.util
 import functools
-from typing import Optional
+from typing import Callable, Optional
 
 
-@functools.lru_cache(maxsize=None)
-def _malloc_trim() -> Optional[ctypes._CFuncPtr]:
+@functools.cache
+def _malloc_trim() -> Optional[Callable[[int], int]]:
     """glibc's malloc_trim, or None where the C library has none (musl, macOS)."""
     library = ctypes.util.find_library("c")
     if library is None:
