@@ -1,41 +1,54 @@
-"""On a CPU rank, the heap pages an update freed go back to the system after it.
+"""How a rank's process uses the C library's heap (glibc), where CPU ranks keep their tensors.
 
-    release_freed_heap()  # after each optimizer step, on CPU ranks
+    fix_mmap_threshold()   # once, as the process starts (distributed.utils.prepare_environment)
+    release_freed_heap()   # after each optimizer step, on CPU ranks (Trainer.train_step)
 
-On a CPU rank every tensor lives in the C library's heap. glibc serves allocations below its
-mmap threshold (which rises to 32 MiB as large blocks are freed) from the heap and keeps what is
-freed there: a step's transients (gathered parameters, gradients before their reduce-scatter,
-activations) leave free holes that stay resident, and the next step's peak is that high-water
-mark plus whatever new allocations do not fit the holes. `malloc_trim(0)` returns the free pages
-of those holes; what the next step reuses faults back in. It is the host heap's counterpart of
+ZeRO-3 gathers and frees every layer's parameters (and their gradients) each step. glibc raises
+its mmap threshold to the size of each freed block (up to 32 MB), so those tensors would come
+to live in its heap, which it rarely gives back: measured on the 707M model, ZeRO-3 on 2 ranks
+held 1.4 GiB more per rank after two steps (benchmarks/scale_memory.py). A fixed threshold of
+`MMAP_THRESHOLD_BYTES` stops that drift: larger tensors get their own memory maps, returned
+when freed, and smaller ones (activations, small parameters) still reuse the heap.
+
+The heap still keeps what those smaller tensors free: a step's transients leave holes that stay
+resident, and the next step's peak is that high-water mark plus whatever does not fit the
+holes. `release_freed_heap` (`malloc_trim(0)`) returns the free pages of those holes after each
+update; what the next step reuses faults back in. It is the host heap's counterpart of
 `torch.cuda.empty_cache()`, and cheap: 9-30 ms an update on the 4-rank run below. On the 707M
-model of `benchmarks/scale_memory.py` on 4 ranks (TP=2 x DP=2, ZeRO-3) a rank holds 0.11 GiB
-less between steps and 0.02-0.03 GiB less at its peak. On GPU ranks tensors live in the
-device's caching allocator, so trainers call this for CPU devices only.
+model of `benchmarks/scale_memory.py` on 4 ranks (TP=2 x DP=2, ZeRO-3) a rank holds 0.11 GiB less
+between steps and 0.02-0.03 GiB less at its peak. On GPU ranks tensors live in the device's
+caching allocator, so the trainer releases the heap on CPU devices only.
+
+Where the C library is not glibc (musl, macOS) both do nothing.
 """
 
 import ctypes
 import ctypes.util
 import functools
-from typing import Callable, Optional
+from typing import Optional
+
+# Allocations above this size get their own memory map, returned to the OS when freed.
+MMAP_THRESHOLD_BYTES = 4 * 2**20
+_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 
 
 @functools.cache
-def _malloc_trim() -> Optional[Callable[[int], int]]:
-    """glibc's malloc_trim, or None where the C library has none (musl, macOS)."""
-    library = ctypes.util.find_library("c")
-    if library is None:
-        return None
-    trim = getattr(ctypes.CDLL(library), "malloc_trim", None)
-    if trim is not None:
-        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
+def _libc() -> Optional[ctypes.CDLL]:
+    name = ctypes.util.find_library("c")
+    return None if name is None else ctypes.CDLL(name)
+
+
+def fix_mmap_threshold() -> None:
+    """Fix glibc's mmap threshold at MMAP_THRESHOLD_BYTES (no dynamic raise)."""
+    libc = _libc()
+    if libc is not None and hasattr(libc, "mallopt"):
+        libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
 
 
 def release_freed_heap() -> bool:
     """Give the heap's free pages back to the system; whether the C library could."""
-    trim = _malloc_trim()
-    if trim is None:
+    libc = _libc()
+    if libc is None or not hasattr(libc, "malloc_trim"):
         return False
-    trim(0)
+    libc.malloc_trim(ctypes.c_size_t(0))
     return True

@@ -11,12 +11,16 @@ DeepSpeed's (`deepspeed.utils.groups`), so the engine, which is handed them as i
 reduces ZeRO's gradients over the data-parallel group only.
 """
 
+import atexit
 import os
 import socket
+import sys
 from typing import List
 
 import torch
 import torch.distributed as dist
+
+from metaseq_ds.host_memory import fix_mmap_threshold
 
 
 def _free_port() -> int:
@@ -33,35 +37,11 @@ def prepare_environment(distributed_port: int = -1) -> None:
         os.environ.setdefault("MASTER_PORT", str(distributed_port if distributed_port > 0 else _free_port()))
     if not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    return_freed_memory_to_the_os()
+    fix_mmap_threshold()  # host_memory: ZeRO's gathered tensors must not stay in glibc's heap
     if "OMP_NUM_THREADS" not in os.environ:
         # Ranks sharing a CPU must split its cores, or they slow each other down 2-7x.
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_ranks)))
-
-
-# Allocations above this size get their own memory map, returned to the OS when freed.
-MMAP_THRESHOLD_BYTES = 4 * 2**20
-
-
-def return_freed_memory_to_the_os() -> None:
-    """Fix glibc's mmap threshold (where glibc is the C library).
-
-    ZeRO-3 gathers and frees every layer's parameters (and their gradients) each step. glibc
-    raises its mmap threshold to the size of each freed block (up to 32 MB), so those tensors
-    come to live in its heap, which it rarely gives back: measured on the 707M model, ZeRO-3 on
-    2 ranks held 1.4 GiB more per rank after two steps (benchmarks/scale_memory.py). A fixed
-    threshold stops the drift; allocations of at most 4 MB still reuse the heap.
-    """
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return
-    libc = ctypes.CDLL(name)
-    if hasattr(libc, "mallopt"):
-        libc.mallopt(-3, MMAP_THRESHOLD_BYTES)  # M_MMAP_THRESHOLD
 
 
 def init_distributed(distributed_port: int = -1, tensor_parallel_size: int = 1) -> None:
@@ -70,6 +50,7 @@ def init_distributed(distributed_port: int = -1, tensor_parallel_size: int = 1) 
         import deepspeed
 
         deepspeed.init_distributed()
+        atexit.register(destroy_process_groups_at_a_clean_exit)
         release_shm_buffer()
     if dist.get_backend() == "gloo":
         from metaseq_ds.distributed import gloo_collectives
@@ -81,6 +62,18 @@ def init_distributed(distributed_port: int = -1, tensor_parallel_size: int = 1) 
         from metaseq_ds.private_apis import init_tensor_parallel_groups
 
         init_tensor_parallel_groups(tensor_parallel_size)
+
+
+def destroy_process_groups_at_a_clean_exit() -> None:
+    """At exit, destroy the process groups this process started, unless it is exiting on an
+    uncaught exception. Left to the interpreter's finalisation, gloo's worker threads can still
+    hold work whose tensors reference Python objects, and destroying them then aborts the process
+    ("terminate called without an active exception", exit -6, after a run that succeeded;
+    pytorch/pytorch#190489). PyTorch asks callers to destroy their groups; after an uncaught
+    exception (`sys.last_value` set) they are left alone, as torchtitan does, since a rank that
+    failed mid-collective could block in the teardown."""
+    if dist.is_initialized() and getattr(sys, "last_value", None) is None:
+        dist.destroy_process_group()
 
 
 def release_shm_buffer() -> None:
