@@ -41,7 +41,7 @@ SIDES = ("ours", "hf")
 NAMES = {"ours": "metaseq_ds", "hf": "HF + DS"}
 ROOT = Path(__file__).resolve().parent.parent
 MFU_FORMULA = (
-    "MFU = model FLOP/s / matmul peak of the dtype (benchmarks/peak.py, all cores, best library); "
+    "MFU = model FLOP/s / matmul peak of the dtype (benchmarks/peak.py: all cores and the best library, or the GPU); "
     "model FLOPs per token = 6*N + 12*L*d*T, N = parameters of the L layers and the final LayerNorm "
     "plus the V x d output projection (tied to the token embedding, counted once), without the position table and the "
     "embedding lookup; 12*L*d*T = attention scores and weighted sum, forward and backward, causal "
@@ -107,7 +107,8 @@ def gib(n: float) -> str:
 
 def print_throughput(rows, peaks, args) -> List[str]:
     per_token = flops_per_token(args.dim, args.layers, args.ffn, args.seq)
-    print(f"{'ranks':>5} {'dtype':>5} {'side':>10} {'s/step':>7} {'tokens/s':>9} {'peak RSS/rank GiB':>17} "
+    kind = rows[0][1]["ours"][0]["memory_kind"]
+    print(f"{'ranks':>5} {'dtype':>5} {'side':>10} {'s/step':>7} {'tokens/s':>9} {f'peak {kind}/rank GiB':>17} "
           f"{'MFU':>6} {'ours/HF':>7}")
     verdicts, mfu_verdicts = [], []
     for (ranks, dtype), results in rows:
@@ -117,7 +118,7 @@ def print_throughput(rows, peaks, args) -> List[str]:
             seconds = statistics.median(rank0["seconds"])
             speed[side] = rank0["tokens_per_step"] / seconds
             mfu = speed[side] * per_token / (peaks[f"peak_{dtype}"] * 1e9)
-            rss = max(r["peak_rss"] for r in results[side])
+            rss = max(r["peak_memory"] for r in results[side])
             ratio = f"{speed['ours'] / speed['hf']:>6.2f}x" if side == "hf" else ""
             print(f"{ranks:>5} {dtype:>5} {NAMES[side]:>10} {seconds:>7.2f} {speed[side]:>9.0f} {gib(rss):>17} "
                   f"{mfu:>6.1%} {ratio:>7}")
@@ -173,16 +174,19 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.steps, args.warmup = 3, 1
-    if not torch.cuda.is_available():
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # for the workers and DeepSpeed's estimator here
     start = time.perf_counter()
-    before = peak.measure(seconds=1.0)
+    before = peak.measure(seconds=1.0, device=device)
     rows = [((ranks, dtype), run_pair(ranks, dtype, args)) for ranks in args.ranks for dtype in args.dtypes]
-    after = peak.measure(seconds=1.0)
+    after = peak.measure(seconds=1.0, device=device)
     # A peak measured while the machine was busy would flatter the MFU: keep the better one.
     peaks = {key: max(before[key], after[key]) for key in ("peak_fp32", "peak_bf16")}
-    print(f"model: width {args.dim}, {args.layers} layers, {args.heads} heads, FFN {args.ffn}, vocab {VOCAB}, "
-          f"seq {args.seq}, micro-batch {args.batch}/rank; AdamW: metaseq_ds --adam-impl {args.adam_impl}, "
+    where = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {os.cpu_count()} cores"
+    print(f"{where}; model: width {args.dim}, {args.layers} layers, {args.heads} heads, FFN {args.ffn}, vocab {VOCAB}, "
+          f"seq {args.seq}, micro-batch {args.batch}/rank{', each layer compiled' if args.compile_layers else ''}; "
+          f"ZeRO stage {'default' if args.zero_stage is None else args.zero_stage}; AdamW: metaseq_ds --adam-impl {args.adam_impl}, "
           f"HF torch.optim.AdamW; median of {args.steps} steps "
           f"after {args.warmup}, sides alternating")
     verdicts = print_throughput(rows, peaks, args)

@@ -37,11 +37,14 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--zero-stage", type=int, help="default: metaseq_ds's (0 for one rank, 3 for several)")
     parser.add_argument("--adam-impl", default="auto",
                         help="metaseq_ds's --adam-impl (HF runs torch AdamW, as its users do)")
+    parser.add_argument("--compile-layers", action="store_true",
+                        help="both sides: torch.compile each decoder layer (regional compilation)")
 
 
 def run_flags(args) -> List[str]:
     """`add_run_arguments`' values as flags again, to pass on to a worker."""
     flags = [f"--{name}={getattr(args, name)}" for name in DEFAULTS] + [f"--adam-impl={args.adam_impl}"]
+    flags += ["--compile-layers"] if args.compile_layers else []
     return flags + ([f"--zero-stage={args.zero_stage}"] if args.zero_stage is not None else [])
 
 
@@ -91,6 +94,8 @@ def our_step_fn(cfg, args, ds_config) -> Tuple[StepFn, object]:
     criterion = criterions.build_criterion(cfg.criterion, task)
     zero3_config = ds_config if ds_config["zero_optimization"]["stage"] == 3 else None
     model = build_model(cfg, task, criterion, lambda model: InitialValues(model, model.init_seed), zero3_config)
+    if args.compile_layers:
+        compile_each(model.decoder.layers)
     trainer = Trainer(cfg, task, model, criterion, ds_config)
 
     def step(tokens: torch.Tensor) -> float:
@@ -113,6 +118,8 @@ def hf_step_fn(cfg, args, ds_config) -> Tuple[StepFn, object]:
 
     hf_config = to_hf_config(cfg.model, vocab_size=VOCAB)
     model = OPTForCausalLM._from_config(hf_config, attn_implementation="sdpa")
+    if args.compile_layers:
+        compile_each(model.model.decoder.layers)
     opt = cfg.optimizer
     # torch's fused AdamW kernel: what Hugging Face's Trainer picks by default with torch >= 2.8.
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=tuple(opt.adam_betas), eps=opt.adam_eps,
@@ -120,13 +127,27 @@ def hf_step_fn(cfg, args, ds_config) -> Tuple[StepFn, object]:
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
 
     def step(tokens: torch.Tensor) -> float:
-        input_ids = tokens[:, :-1]
+        input_ids = tokens[:, :-1].to(engine.device)
         loss = engine(input_ids=input_ids, labels=input_ids).loss
         engine.backward(loss)
         engine.step()
         return loss.item()
 
     return step, engine
+
+
+def compile_each(layers) -> None:
+    """Regional compilation, as torch recommends for transformers: each layer compiled in place
+    (one graph, reused by every layer of the same shape); compiled at the first (warm-up) step."""
+    for layer in layers:
+        layer.compile()
+
+
+def peak_memory() -> Tuple[str, int]:
+    """(kind, bytes) of this process's peak: CUDA's allocated memory on a GPU, else resident memory."""
+    if torch.cuda.is_available():
+        return "CUDA allocated", torch.cuda.max_memory_allocated()
+    return "RSS", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
 class Turns:
@@ -186,8 +207,8 @@ def main() -> None:
         "side": args.side, "dtype": args.dtype, "world_size": args.world_size, "rank": rank,
         "threads": torch.get_num_threads(), "seconds": seconds, "losses": losses,
         "tokens_per_step": args.batch * args.seq * args.world_size,
-        "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,  # Linux: KiB
     }
+    result["memory_kind"], result["peak_memory"] = peak_memory()
     if engine.zero_optimization_stage() == 3:
         from benchmarks.zero_memory import model_state_bytes
 

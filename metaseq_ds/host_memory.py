@@ -1,7 +1,7 @@
 """How a rank's process uses the C library's heap (glibc), where CPU ranks keep their tensors.
 
     fix_mmap_threshold()   # once, as the process starts (distributed.utils.prepare_environment)
-    release_freed_heap()   # after each optimizer step, on CPU ranks (Trainer.train_step)
+    release_freed_heap(device)   # after each optimizer step (Trainer.train_step); CPU ranks only
 
 ZeRO-3 gathers and frees every layer's parameters (and their gradients) each step. glibc raises
 its mmap threshold to the size of each freed block (up to 32 MB), so those tensors would come
@@ -45,8 +45,11 @@ def fix_mmap_threshold() -> None:
         libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
 
 
-def release_freed_heap() -> bool:
-    """Give the heap's free pages back to the system; whether the C library could."""
+def release_freed_heap(device) -> bool:
+    """Give the heap's free pages back to the system, on a rank whose tensors are on the CPU
+    (`device`); whether it did. A GPU rank's heap holds no step's tensors: nothing to do."""
+    if getattr(device, "type", device) != "cpu":  # a torch.device or its name
+        return False
     libc = _libc()
     if libc is None or not hasattr(libc, "malloc_trim"):
         return False

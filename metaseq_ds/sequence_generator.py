@@ -278,10 +278,7 @@ class SequenceGenerator(nn.Module):
         scores: List[List[float]] = [[] for _ in range(batch)]
         tops: List[list] = [[] for _ in range(batch)]
         reasons: List[Optional[str]] = [None] * batch
-        rng = torch.Generator(device=device)
-        # No seed: draw one from torch's global generator, so torch.manual_seed still decides.
-        seed = self.options.seed
-        rng.manual_seed(seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        rng = self._sampling_generator(device) if self.options.temperature > 0 else None  # greedy draws nothing
         for step in range(max(limits.max)):
             allowed = self._ban(lprobs, step, [limits.min[row] for row in rows])
             if self.options.temperature == 0:
@@ -320,6 +317,13 @@ class SequenceGenerator(nn.Module):
                 rows = [rows[i] for i in keep]
             lprobs = self._step(tokens, state)
         return [[self._hypothesis(new_tokens[r], scores[r], tops[r], reasons[r])] for r in range(batch)]
+
+    def _sampling_generator(self, device) -> torch.Generator:
+        """The generator of one call's draws, on the model's device: seeded by the options, or, with
+        no seed, from torch's global generator, so that torch.manual_seed still decides."""
+        seed = self.options.seed
+        return torch.Generator(device=device).manual_seed(
+            seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
 
     def _hypothesis(self, new_tokens, scores, tops, reason, score=None) -> Hypothesis:
         positional = torch.tensor(scores, dtype=torch.float)

@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from metaseq_ds.dataclass import MetaseqConfig
+from metaseq_ds.device import to_device
 from metaseq_ds.distributed import utils as dist_utils
 from metaseq_ds.distributed.deepspeed_config import optimizer_group_limit, parameter_groups
 from metaseq_ds.distributed.safe_checkpoint_loading import use_weights_only_loading
@@ -54,6 +55,14 @@ class _EngineBackward:
         if self.tied_embedding is not None:
             self.tied_embedding.add_to_gradient_partition(first_micro_step=self.backwards == 0)
         self.backwards += 1
+
+
+def _squared_norm(tensors: List[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of squares of all `tensors` (fp32: ZeRO-0's plain optimizer steps fp32 gradients),
+    a 0-dim tensor on `device`, computed by torch's multi-tensor norm without a host sync."""
+    if not tensors:
+        return torch.zeros((), device=device)
+    return torch.nn.utils.get_total_norm(tensors, norm_type=2.0).square().to(device)
 
 
 def check_sample_size(criterion, declared: float, returned) -> None:
@@ -120,21 +129,21 @@ class Trainer:
         global_size, global_tokens, global_sentences = self._sum_over_replicas(local)
         scale = len(samples) * self.data_parallel_size / max(global_size, 1.0)
         backward = _EngineBackward(self.engine, scale, self.tied_embedding)
-        loss_sum = 0.0
+        # Summed where the losses are made; read once an update, for the log and the divergence check.
+        losses = []
         gnorm = None
         for index, (sample, size) in enumerate(zip(samples, sizes)):
-            sample = self._to_device(sample)
+            sample = to_device(sample, self.engine.device)
             loss, returned_size, logging_output = self.task.train_step(sample, self.model, self.criterion, backward, self.num_updates)
             check_sample_size(self.criterion, size, returned_size)
-            loss_sum += float(logging_output["loss"])
+            losses.append(logging_output["loss"])
             if index == len(samples) - 1 and self._plain_optimizer:
                 gnorm = self._local_grad_norm()
             self.engine.step()
-        if self.engine.device.type == "cpu":
-            release_freed_heap()  # a CPU rank's heap keeps the step's freed transients resident
+        release_freed_heap(self.engine.device)  # a CPU rank's heap keeps the step's freed transients resident
         self.num_updates += 1
         lr = self.lr_scheduler.step_update(self.num_updates)
-        (total_loss,) = self._sum_over_replicas([loss_sum])
+        (total_loss,) = self._sum_over_replicas([float(sum(losses))])
         gnorm = self._engine_grad_norm() if gnorm is None else gnorm
         clip_norm = self.cfg.optimization.clip_norm
         return {
@@ -163,14 +172,13 @@ class Trainer:
 
         A tensor-parallel shard's squares are summed over its group; replicated parameters count once.
         """
-        sharded = replicated = 0.0
+        grads = {True: [], False: []}  # by tensor_model_parallel
         for p in self.engine.module.parameters():
             if p.grad is not None:
-                square = float(torch.linalg.vector_norm(p.grad.detach().float()) ** 2)
-                if getattr(p, "tensor_model_parallel", False):
-                    sharded += square
-                else:
-                    replicated += square
+                grads[getattr(p, "tensor_model_parallel", False)].append(p.grad.detach())
+        # One read of the device for both sums.
+        sharded, replicated = torch.stack([_squared_norm(grads[True], self.engine.device),
+                                           _squared_norm(grads[False], self.engine.device)]).tolist()
         tp_group = dist_utils.get_tensor_model_parallel_group()
         if tp_group is not None:
             (sharded,) = dist_utils.all_reduce_sum([sharded], group=tp_group)
@@ -185,19 +193,7 @@ class Trainer:
     def valid_loss(self, iterator, max_steps=None) -> Dict[str, float]:
         """`validation.validation_loss` on the engine, summed over the data-parallel ranks."""
         return validation_loss(self.task, self.model, self.criterion, iterator, max_steps,
-                               to_device=self._to_device, sum_over_ranks=self._sum_over_replicas)
-
-    def _to_device(self, sample: Dict[str, Any]) -> Dict[str, Any]:
-        device = self.engine.device
-
-        def move(value):
-            if torch.is_tensor(value):
-                return value.to(device, non_blocking=True)
-            if isinstance(value, dict):
-                return {k: move(v) for k, v in value.items()}
-            return value
-
-        return move(sample)
+                               device=self.engine.device, sum_over_ranks=self._sum_over_replicas)
 
     # -- state for checkpoints (DeepSpeed saves it as the engine's "client state") -----------
     def state_dict(self) -> Dict[str, Any]:

@@ -2,7 +2,9 @@
 sample size, in bits (metaseq reports base 2), summed over the data-parallel ranks.
 
 `mseq train` runs it on the DeepSpeed engine each rank holds, `mseq validate` on a plain
-model in one process; only the device move and the reduction over ranks differ.
+model in one process; only the reduction over ranks differs. Each batch is moved to the
+model's device, and the sums stay there until the split is done: one read of the device per
+split, not one per batch.
 """
 
 import math
@@ -10,6 +12,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional
 
 import torch
 
+from metaseq_ds.device import module_device, to_device
 from metaseq_ds.logging.update_window import perplexity
 
 Sample = Dict[str, Any]
@@ -22,19 +25,20 @@ def validation_loss(
     criterion,
     batches: Iterable[Sample],
     max_steps: Optional[int] = None,
-    to_device: Callable[[Sample], Sample] = lambda sample: sample,
+    device: Optional[torch.device] = None,
     sum_over_ranks: Callable[[List[float]], List[float]] = lambda values: values,
 ) -> Dict[str, float]:
     """{"loss": bits per sample-size unit (per token for the LM criteria), "ppl": 2 ** loss,
-    "ntokens": target tokens seen}, over at most `max_steps` batches of each rank."""
-    loss_sum = sample_size = tokens = 0.0
+    "ntokens": target tokens seen}, over at most `max_steps` batches of each rank, on `device`
+    (default: the model's)."""
+    device = module_device(model) if device is None else device
+    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, sample size, tokens
     for step, sample in enumerate(batches):
         if max_steps is not None and step >= max_steps:
             break
-        _, size, logging_output = task.valid_step(to_device(sample), model, criterion)
-        loss_sum += float(logging_output["loss"])
-        sample_size += float(size)
-        tokens += float(logging_output["ntokens"])
-    loss_sum, sample_size, tokens = sum_over_ranks([loss_sum, sample_size, tokens])
+        _, size, logging_output = task.valid_step(to_device(sample, device), model, criterion)
+        for index, value in enumerate((logging_output["loss"], size, logging_output["ntokens"])):
+            sums[index] += value
+    loss_sum, sample_size, tokens = sum_over_ranks(sums.tolist())
     loss = loss_sum / max(sample_size, 1.0) / math.log(2)
     return {"loss": loss, "ppl": perplexity(loss), "ntokens": tokens}

@@ -21,7 +21,7 @@ held = [torch.ones(1024) for _ in range(16384)]
 last = held.pop()
 del held
 before = resident_mib()
-released = release_freed_heap()
+released = release_freed_heap(torch.device("cpu"))
 print(released, before - resident_mib())
 """
 

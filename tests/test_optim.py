@@ -6,8 +6,14 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+from launch import env
 
 from metaseq_ds.dataclass import MetaseqDataclass, validate_config
 from metaseq_ds.errors import UsageError
@@ -15,11 +21,14 @@ from metaseq_ds.optim import (
     OPTIMIZER_REGISTRY,
     BaseOptimizer,
     LegacyOptimizer,
+    MetaseqAdam,
     MetaseqAdamConfig,
     MetaseqSGDWConfig,
     build_optimizer,
     register_optimizer,
 )
+
+from metaseq_ds.optim.adam import adam_implementation
 
 STEPS = 4
 
@@ -76,6 +85,50 @@ def test_adam_weight_decay_is_decoupled():
     optimizer = build_optimizer(adam_cfg(lr=0.5, weight_decay=0.1), [param])
     run(optimizer, param, [torch.zeros(4)] * 2)
     torch.testing.assert_close(param.detach(), torch.full((4,), (1 - 0.5 * 0.1) ** 2))
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_adam_auto_is_torchs_fused_kernel_which_builds_nothing(cuda, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    assert adam_implementation(adam_cfg()) == "torch_fused"
+
+
+def test_a_deepspeed_adam_kernel_that_does_not_build_is_one_line_with_both_remedies(monkeypatch):
+    from deepspeed.ops import op_builder
+
+    def fail(self, verbose=True):  # what DeepSpeed 0.19's builder raised on torch 2.11 + CUDA 13 (issue 7589)
+        raise ValueError("invalid literal for int() with base 10: '0a'")
+
+    monkeypatch.setattr(op_builder.FusedAdamBuilder, "load", fail)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(UsageError) as error:
+        MetaseqAdam.check_kernels(adam_cfg(adam_impl="fused"))
+    message = str(error.value)
+    assert "\n" not in message and "FusedAdam" in message and "invalid literal for int()" in message
+    assert "TORCH_CUDA_ARCH_LIST" in message and "--adam-impl torch_fused" in message
+
+
+FAILING_BUILD = """
+import sys
+from deepspeed.ops import op_builder
+from metaseq_ds.cli.main import main
+
+def fail(self, verbose=True):
+    raise ValueError("invalid literal for int() with base 10: '0a'")
+
+op_builder.FusedAdamBuilder.load = fail
+main(sys.argv[1:])
+"""
+
+
+def test_mseq_train_with_a_fused_adam_that_does_not_build_stops_before_writing(tmp_path):
+    result = subprocess.run([sys.executable, "-c", FAILING_BUILD, "train", "--adam-impl", "fused", "--max-update", "1"],
+                            capture_output=True, text=True, env=env(), timeout=300)
+    assert result.returncode == 2, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("mseq train: error: --adam-impl fused: DeepSpeed's FusedAdam")
+    assert "Traceback" not in result.stderr
+    assert sorted(p.name for p in Path.cwd().iterdir()) == []  # no demo corpus, no checkpoints
 
 
 def test_adam_implementation_on_cpu():

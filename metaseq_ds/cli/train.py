@@ -62,6 +62,7 @@ def main(cfg) -> None:
     from metaseq_ds.distributed.materialize import build_model
     from metaseq_ds.distributed.tensor_parallel import check_world, tensor_parallel_size
     from metaseq_ds.logging.progress_bar import StatsSink, setup_logging
+    from metaseq_ds.optim import check_optimizer_kernels
     from metaseq_ds.trainer import Trainer
 
     tp_size = tensor_parallel_size(cfg)
@@ -71,6 +72,7 @@ def main(cfg) -> None:
     _check_world_size(cfg, world_size)
     check_world(tp_size, world_size)
     dist_utils.init_distributed(cfg.distributed_training.distributed_port, tp_size)
+    check_optimizer_kernels(cfg.optimizer)  # a JIT kernel that cannot build stops us before anything is written
     dp_rank, dp_size = dist_utils.get_data_parallel_rank(), dist_utils.get_data_parallel_world_size()
     checkpoints = CheckpointManager(cfg, Layout.of_run(cfg, world_size))
     plan = checkpoints.plan()

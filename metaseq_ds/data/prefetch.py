@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterator, Sized
 import torch
 
 from metaseq_ds.data.iterators import RankBatches
+from metaseq_ds.device import pin
 
 
 def background_batches(make_batches: Callable[[], RankBatches], num_workers: int, buffer_size: int) -> Iterator[Any]:
@@ -40,7 +41,8 @@ def _in_order(make_batches: Callable[[], RankBatches]) -> Iterator[Any]:
 def _worker_processes(make_batches: Callable[[], Sized], num_workers: int, buffer_size: int) -> Iterator[Any]:
     batches = make_batches()
     yield from torch.utils.data.DataLoader(
-        batches, batch_size=None, shuffle=False, num_workers=num_workers, prefetch_factor=-(-buffer_size // num_workers)
+        batches, batch_size=None, shuffle=False, num_workers=num_workers, prefetch_factor=-(-buffer_size // num_workers),
+        pin_memory=torch.cuda.is_available(),
     )
 
 
@@ -63,7 +65,7 @@ def _thread(make_batches: Callable[[], RankBatches], buffer_size: int) -> Iterat
     def fill() -> None:
         try:
             for batch in _in_order(make_batches):
-                if not put((batch, None)):
+                if not put((pin(batch), None)):  # on CUDA: page-locked, so its copy overlaps the step
                     return
             put((_END, None))
         except BaseException as error:  # raised in the consumer, where the run can report it

@@ -69,7 +69,8 @@ def build_model(cfg, task, criterion, values_for: Callable[[nn.Module], Optional
 def materialize(model: nn.Module, values: ParameterValues, zero3_config: Optional[Dict[str, Any]] = None,
                 device: Optional[torch.device] = None) -> None:
     """Give every parameter of `model` (meta or real, whole or TP-sharded by the plan) this
-    rank's values, module by module (see the module docstring). A tied parameter stays one."""
+    rank's values on `device` (default: the rank's accelerator), module by module (see the module
+    docstring), and move its buffers there too. A tied parameter stays one."""
     tp_rank = dist_utils.get_tensor_model_parallel_rank()
     tp_size = dist_utils.get_tensor_model_parallel_world_size()
     if device is None:
@@ -100,6 +101,9 @@ def materialize(model: nn.Module, values: ParameterValues, zero3_config: Optiona
             fresh.append(new)
         if fresh and zero3_config is not None:
             _partition(fresh, zero3_config)
+        for leaf, buffer in module._buffers.items():  # computed at construction (sinusoids): on the CPU
+            if buffer is not None and not buffer.is_meta:
+                module._buffers[leaf] = buffer.to(device)
     if produces:
         values.check_all_used([name for name, _ in model.named_parameters(remove_duplicate=False)])
 

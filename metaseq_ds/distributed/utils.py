@@ -35,9 +35,13 @@ def prepare_environment(distributed_port: int = -1) -> None:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(distributed_port if distributed_port > 0 else _free_port()))
-    if not torch.cuda.is_available():
+    if torch.cuda.is_available():
+        # Before anything is made on "cuda": each rank's tensors (a model materialised from a
+        # checkpoint, NCCL's buffers) on its own GPU, never all on GPU 0.
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    fix_mmap_threshold()  # host_memory: ZeRO's gathered tensors must not stay in glibc's heap
+        fix_mmap_threshold()  # host_memory (CPU ranks): ZeRO's gathered tensors must not stay in glibc's heap
     if "OMP_NUM_THREADS" not in os.environ:
         # Ranks sharing a CPU must split its cores, or they slow each other down 2-7x.
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", "1")))
@@ -51,7 +55,8 @@ def init_distributed(distributed_port: int = -1, tensor_parallel_size: int = 1) 
 
         deepspeed.init_distributed()
         atexit.register(destroy_process_groups_at_a_clean_exit)
-        release_shm_buffer()
+        if not torch.cuda.is_available():
+            release_shm_buffer()  # the buffer of DeepSpeed's CPU accelerator only
     if dist.get_backend() == "gloo":
         from metaseq_ds.distributed import gloo_collectives
         from metaseq_ds.private_apis import route_deepspeed_collectives
@@ -158,6 +163,13 @@ def all_reduce_sum(values: List[float], group=None) -> List[float]:
     """Sum a few scalars over `group` (default: all ranks), in float64 so token counts stay exact."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return list(values)
-    tensor = torch.tensor(values, dtype=torch.float64)
+    tensor = torch.tensor(values, dtype=torch.float64, device=collective_device())
     dist.all_reduce(tensor, group=group)
     return tensor.tolist()
+
+
+def collective_device() -> torch.device:
+    """Where the process group's collectives take their tensors: NCCL's are on the rank's GPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

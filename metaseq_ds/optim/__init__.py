@@ -30,6 +30,11 @@ def build_optimizer(optimizer_cfg, params: Iterable) -> BaseOptimizer:
     return entry.cls(optimizer_cfg, params)
 
 
+def check_optimizer_kernels(optimizer_cfg) -> None:
+    """Build what the chosen optimizer compiles on first use, before a run writes anything."""
+    OPTIMIZER_REGISTRY.get(optimizer_cfg._name).cls.check_kernels(optimizer_cfg)
+
+
 def _trainable(params):
     return [p for p in params if p.requires_grad]
 

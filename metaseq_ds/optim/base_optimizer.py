@@ -18,6 +18,11 @@ class BaseOptimizer:
     def __init__(self, cfg):
         self.cfg = cfg
 
+    @classmethod
+    def check_kernels(cls, cfg) -> None:
+        """Before a run writes anything: build or load what `cfg` needs that could fail (a JIT
+        kernel), raising `UsageError` if it cannot. Nothing to do for torch's own optimizers."""
+
     @property
     def optimizer(self):
         """The torch optimizer (or the DeepSpeed optimizer that replaced it)."""
