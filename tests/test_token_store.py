@@ -191,6 +191,32 @@ def test_background_loading_gives_the_same_batches_and_stops_with_its_consumer(c
     assert not prefetching()
 
 
+EXIT_WHILE_PREFETCHING = """
+import torch
+from metaseq_ds.data.prefetch import background_batches
+
+class SlowBatches:
+    def __len__(self):
+        return 1000
+
+    def __getitem__(self, index):
+        a = torch.randn(1500, 1500)
+        return {"x": a @ a}  # torch multiplies without the GIL: the thread is inside C++ most of the time
+
+batches = background_batches(SlowBatches, num_workers=0, buffer_size=2)
+next(batches)
+"""
+
+
+def test_a_process_that_exits_while_a_batch_is_being_made_exits_cleanly():
+    """Left to the interpreter's finalisation, the thread would be ended inside torch's C++ code:
+    "terminate called without an active exception", exit 134 (every time, before the fix)."""
+    for _ in range(2):
+        result = subprocess.run([sys.executable, "-c", EXIT_WHILE_PREFETCHING], capture_output=True, text=True,
+                                timeout=120)
+        assert result.returncode == 0 and "terminate called" not in result.stderr, result.stderr[-2000:]
+
+
 def test_an_error_while_loading_reaches_the_consumer(corpus):
     def broken():
         raise UsageError("split 'train' (epoch 1) yields no full micro-batch")

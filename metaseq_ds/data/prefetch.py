@@ -10,11 +10,19 @@
     buffer_size == 0   no background work: each batch is made when the step asks for it
 
 The batches and their order are the same in all three ways.
+
+A background thread is stopped and joined when the process exits (`_stop_threads`, at exit),
+not left to the interpreter's finalisation: there, a daemon thread coming back from torch's C++
+code (which runs without the GIL) is ended by `pthread_exit`, whose unwinding through C++
+frames calls std::terminate: "terminate called without an active exception" and exit 134 after
+a run that succeeded (seen at the end of the demo, with a validation split's thread still
+making batches the run no longer wanted).
 """
 
+import atexit
 import queue
 import threading
-from typing import Any, Callable, Iterator, Sized
+from typing import Any, Callable, Iterator, Set, Sized, Tuple
 
 import torch
 
@@ -47,6 +55,17 @@ def _worker_processes(make_batches: Callable[[], Sized], num_workers: int, buffe
 
 
 _END = object()
+_LIVE: Set[Tuple[threading.Thread, threading.Event]] = set()  # running batch threads and their stop events
+
+
+@atexit.register
+def _stop_threads() -> None:
+    """Stop every batch thread and wait for it (it finishes the batch it is making, then sees the
+    stop event): no thread is inside torch when the interpreter finalises (module docstring)."""
+    for _, stop in list(_LIVE):
+        stop.set()
+    for thread, _ in list(_LIVE):
+        thread.join(timeout=30)
 
 
 def _thread(make_batches: Callable[[], RankBatches], buffer_size: int) -> Iterator[Any]:
@@ -70,8 +89,11 @@ def _thread(make_batches: Callable[[], RankBatches], buffer_size: int) -> Iterat
             put((_END, None))
         except BaseException as error:  # raised in the consumer, where the run can report it
             put((None, error))
+        finally:
+            _LIVE.discard((thread, stop))
 
     thread = threading.Thread(target=fill, name="metaseq_ds batch prefetch", daemon=True)
+    _LIVE.add((thread, stop))
     thread.start()
     try:
         while True:
