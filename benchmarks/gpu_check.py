@@ -18,11 +18,9 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -104,29 +102,21 @@ def serve(work: Path, logs: Path) -> str:
     """`mseq serve` answering the official openai client, plain and streamed."""
     import openai
 
-    log = open(logs / "serve.log", "w")
-    server = subprocess.Popen([*MSEQ, "serve", "--path", "checkpoints", "--host", "127.0.0.1", "--port", "0"], cwd=work,
-                              stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True)
+    from benchmarks.serve import ServerDidNotStart, start_server, stop_server
+
+    with open(logs / "serve.log", "w") as log:
+        try:
+            server, url = start_server(work / "checkpoints", max_batch_tokens=4096, stderr=log)
+        except ServerDidNotStart as error:
+            raise FlowFailed(f"{error}:\n{tail((logs / 'serve.log').read_text(errors='replace'))}") from None
     try:
-        address = next((line for line in server.stdout if line.startswith("mseq serve: ")), None)
-        if address is None:
-            server.wait()
-            raise FlowFailed(f"mseq serve exited ({server.returncode}) before printing its address:\n"
-                             f"{tail((logs / 'serve.log').read_text(errors='replace'))}")
-        url = address.split(" on ", 1)[1].split()[0]
-        threading.Thread(target=lambda: [None for _ in server.stdout], daemon=True).start()  # keep the pipe open
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
         plain = client.completions.create(model="demo", prompt="import os\n", max_tokens=12, temperature=0,
                                           extra_body={"min_tokens": 12})
         streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
             model="demo", prompt="import os\n", max_tokens=12, temperature=0, stream=True, extra_body={"min_tokens": 12}))
     finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGINT)
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
+        stop_server(server)
     if plain.usage.completion_tokens != 12 or plain.choices[0].text != streamed:
         raise FlowFailed(f"completion {plain.choices[0].text!r} ({plain.usage.completion_tokens} tokens), "
                          f"streamed {streamed!r}")

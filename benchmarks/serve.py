@@ -49,19 +49,34 @@ def write_checkpoint(save_dir: Path, layers: int, dim: int, heads: int) -> None:
     write_module_checkpoint(save_dir, "checkpoint_1_0", model.state_dict(), {"config": cfg.to_dict()})
 
 
-def start_server(checkpoint: Path, max_batch_tokens: int):
-    """`mseq serve` on 127.0.0.1 (any free port) in its own process group; (process, base URL)."""
+def start_server(checkpoint: Path, max_batch_tokens: int, stderr=subprocess.DEVNULL):
+    """`mseq serve` on 127.0.0.1 (any free port) in its own process group; (process, base URL).
+    `stderr`: where the server's goes (an open file keeps it for a report)."""
     command = [sys.executable, "-m", "metaseq_ds.cli.main", "serve", "--path", str(checkpoint), "--host", "127.0.0.1",
                "--port", "0", "--max-batch-tokens", str(max_batch_tokens)]
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                              start_new_session=True)
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
     for line in server.stdout:
         if line.startswith("mseq serve: "):
             # Keep reading its access log, or a full pipe would block the server.
             threading.Thread(target=lambda: [None for _ in server.stdout], daemon=True).start()
             return server, line.split(" on ", 1)[1].split()[0]
     server.wait()
-    sys.exit(f"mseq serve exited ({server.returncode}) before printing its address")
+    raise ServerDidNotStart(f"mseq serve exited ({server.returncode}) before printing its address")
+
+
+class ServerDidNotStart(RuntimeError):
+    pass
+
+
+def stop_server(server: subprocess.Popen) -> None:
+    """Ctrl-C to its process group (it finishes the batch it decodes), then a kill after 60 s."""
+    if server.poll() is not None:
+        return
+    os.killpg(server.pid, signal.SIGINT)
+    try:
+        server.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
 
 
 def prompt(index: int) -> str:
@@ -111,7 +126,10 @@ def main() -> None:
     workdir = Path(tempfile.mkdtemp(prefix="serve_bench_"))
     write_checkpoint(workdir / "ckpt", args.layers, args.dim, args.heads)
     budget = args.requests * (32 + args.new_tokens)  # every request in one batch
-    server, url = start_server(workdir / "ckpt", max_batch_tokens=budget)
+    try:
+        server, url = start_server(workdir / "ckpt", max_batch_tokens=budget)
+    except ServerDidNotStart as error:
+        sys.exit(str(error))
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT_S)
         timed_request(client, 0, args.new_tokens)  # warm-up: first-call allocations
@@ -132,11 +150,7 @@ def main() -> None:
         print(f"summary: concurrent/one-by-one throughput {ratio:.1f}x, {lost} requests failed or short "
               f"({verdict} the target: >= 3x, none lost)")
     finally:
-        os.killpg(server.pid, signal.SIGINT)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+        stop_server(server)
         shutil.rmtree(workdir)
 
 

@@ -55,7 +55,7 @@ def init_distributed(distributed_port: int = -1, tensor_parallel_size: int = 1) 
 
         deepspeed.init_distributed()
         atexit.register(destroy_process_groups_at_a_clean_exit)
-        if not torch.cuda.is_available():
+        if deepspeed.get_accelerator().device_name() == "cpu":
             release_shm_buffer()  # the buffer of DeepSpeed's CPU accelerator only
     if dist.get_backend() == "gloo":
         from metaseq_ds.distributed import gloo_collectives
