@@ -1,6 +1,6 @@
 """Peak memory of `mseq export hf` on a ~350M-parameter model (OPT-350m's shape, random weights).
 
-    python benchmarks/export_memory.py [--arch opt_350m] [--dtype fp32] [--workdir DIR]
+    python -m benchmarks.export_memory [--arch opt_350m] [--dtype fp32] [--workdir DIR]
 
 Writes a ZeRO-0 checkpoint of `--arch` (random weights, the byte tokenizer padded to OPT's
 50272 ids, 2048 positions), runs `mseq export hf` on it in a fresh process and prints that
@@ -18,12 +18,14 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+from benchmarks.peak_memory import peak_rss
+
 
 def write_checkpoint(save_dir: Path, arch: str) -> int:
     """The checkpoint `mseq train` would save after 0 updates; returns the model's fp32 bytes."""
     import torch
 
-    from metaseq_ds.checkpoint_utils import write_module_checkpoint
+    from metaseq_ds.checkpoint.files import write_module_checkpoint
     from metaseq_ds.data import Dictionary
     from metaseq_ds.models.transformer_lm import TransformerLanguageModel
     from metaseq_ds.options import parse_train_config
@@ -43,7 +45,7 @@ def run_measured(cmd):
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
         log.seek(0)
-        return proc.returncode, log.read(), usage.ru_maxrss * 1024  # Linux reports KiB
+        return proc.returncode, log.read(), peak_rss(usage)
 
 
 def main() -> None:

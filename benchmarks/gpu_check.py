@@ -128,7 +128,7 @@ def export(work: Path, logs: Path) -> str:
     import torch
     from transformers import OPTForCausalLM
 
-    from metaseq_ds.checkpoint_utils import load_model_for_inference
+    from metaseq_ds.checkpoint.inference import load_model_for_inference
 
     run("export", [*MSEQ, "export", "hf", "checkpoints", "hf_export"], work, 120, logs)
     hf = OPTForCausalLM.from_pretrained(work / "hf_export").to(DEVICE).eval()

@@ -6,7 +6,7 @@ These are the denominators of the training benchmark's MFU (model FLOPs / s over
 peak of the same dtype). Each figure is the median of repeated timings over about `--seconds`,
 with torch's default threads (all cores) unless `--threads`; matmuls are square. Both of
 PyTorch's CPU matmul libraries are timed: `torch.mm` (MKL for fp32, oneDNN for bf16) and
-oneDNN directly (`metaseq_ds.private_apis.onednn_linear`, what `metaseq_ds.modules.Linear` uses
+oneDNN directly (`metaseq_ds.private_apis.torch_ops.onednn_linear`, what `metaseq_ds.modules.Linear` uses
 for fp32). The peak is the best of all: what the hardware sustains on the most favourable
 shape and library. On CUDA (`--device cuda`) torch.mm (cuBLAS) at n = 4096 and 8192, timed to the
 device's completion, and a 1 GiB device-to-device copy.
@@ -19,7 +19,7 @@ from typing import Callable, Dict
 
 import torch
 
-from metaseq_ds.private_apis import onednn_linear
+from metaseq_ds.private_apis.torch_ops import onednn_linear
 
 SIZES = {"cpu": (1024, 2048, 4096), "cuda": (4096, 8192)}
 

@@ -77,7 +77,7 @@ def main() -> None:
         print(f"checkpoint: 4 ranks = 2 data-parallel x 2 tensor-parallel, ZeRO-3, fp32 "
               f"(trained and saved in {time.perf_counter() - start:.0f} s)")
 
-        code, out, base = run_measured([sys.executable, "-c", "import torch, deepspeed, metaseq_ds.reshard"])
+        code, out, base = run_measured([sys.executable, "-c", "import torch, deepspeed, metaseq_ds.checkpoint.reshard"])
         if code != 0:
             sys.exit(f"import failed:\n{out[-3000:]}")
         start = time.perf_counter()

@@ -6,7 +6,7 @@ the theory of its model states per rank.
 
 The model: width 2048, 12 layers, FFN 8192, vocabulary 50272 (706.7M parameters), fp32,
 micro-batch 1, sequence 64. Each layout runs under `deepspeed --num_gpus N` on CPU ranks; each
-rank records its peak RSS (`resource.getrusage`) after construction (the model built on the
+rank records its peak RSS (`benchmarks.peak_memory`) after construction (the model built on the
 meta device and materialised: `distributed.materialize.build_model`), after the DeepSpeed engine
 is initialised (`Trainer`), after the first `Trainer.train_step` and after two more (ZeRO-3 gathers
 parameters differently once it has traced a step). Theory: 16 bytes a parameter
@@ -29,13 +29,14 @@ a rank that only imported them and joined the process group).
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Optional
+
+from benchmarks.peak_memory import peak_rss
 
 LAYOUTS = {  # name: (ranks, tensor-parallel degree, ZeRO stage)
     "zero3": (2, 1, 3),
@@ -55,10 +56,6 @@ def theory_bytes(tp_share: float, data_parallel: int, stage: int) -> float:
     gradients = 4 / (data_parallel if stage >= 2 else 1)
     adam = 8 / (data_parallel if stage >= 1 else 1)
     return tp_share * (weights + gradients + adam)
-
-
-def peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def worker(args) -> None:

@@ -33,7 +33,7 @@ WORDS = "the server batches requests that arrive together into one decoding step
 def write_checkpoint(save_dir: Path, layers: int, dim: int, heads: int) -> None:
     import torch
 
-    from metaseq_ds.checkpoint_utils import write_module_checkpoint
+    from metaseq_ds.checkpoint.files import write_module_checkpoint
     from metaseq_ds.data import Dictionary
     from metaseq_ds.models.transformer_lm import TransformerLanguageModel
     from metaseq_ds.options import parse_train_config

@@ -16,13 +16,13 @@ peak RSS and, under ZeRO-3, the bytes of model state it holds.
 import argparse
 import json
 import math
-import resource
 import time
 from pathlib import Path
 from typing import Callable, Dict, List, Tuple
 
 import torch
 
+from benchmarks.peak_memory import peak_memory
 from metaseq_ds.data import Dictionary
 from metaseq_ds.tasks import BaseTask
 
@@ -141,13 +141,6 @@ def compile_each(layers) -> None:
     (one graph, reused by every layer of the same shape); compiled at the first (warm-up) step."""
     for layer in layers:
         layer.compile()
-
-
-def peak_memory() -> Tuple[str, int]:
-    """(kind, bytes) of this process's peak: CUDA's allocated memory on a GPU, else resident memory."""
-    if torch.cuda.is_available():
-        return "CUDA allocated", torch.cuda.max_memory_allocated()
-    return "RSS", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
 class Turns:

@@ -11,7 +11,7 @@ from typing import Dict
 
 import torch
 
-from metaseq_ds.private_apis import zero3_flat_partitions, zero3_gradient_buffer
+from metaseq_ds.private_apis.deepspeed_optimizers import zero3_flat_partitions, zero3_gradient_buffer
 
 
 def model_state_bytes(engine) -> Dict[str, int]:

@@ -9,7 +9,7 @@
     result["top_logprobs"], result["finish_reason"]
 
 The checkpoint may have been saved by any number of ranks: ZeRO and tensor-parallel shards are
-gathered (`checkpoint_utils.load_model_weights`). Under a launcher (WORLD_SIZE > 1) the model is
+gathered (`checkpoint.read.load_model_weights`). Under a launcher (WORLD_SIZE > 1) the model is
 then sharded across the ranks with the tensor-parallel plan: every rank runs the same decoding
 loop on its shard, with the logits gathered, so all ranks choose the same tokens (sampling
 uses one seed, rank 0's when none is given). Prompts are text (encoded, after the </s>
@@ -48,7 +48,7 @@ class GeneratorInterface:
     def load_model(self):
         """Load the checkpoint (once); returns `[model]` as metaseq's did."""
         if self.model is None:
-            from metaseq_ds import checkpoint_utils
+            from metaseq_ds.checkpoint.inference import load_model_for_inference
 
             ranks = _launched_ranks()
             if ranks > 1:
@@ -56,7 +56,7 @@ class GeneratorInterface:
 
                 dist_utils.init_distributed(tensor_parallel_size=ranks)
             # Under a launcher each rank builds its tensor-parallel shard and reads only its part.
-            cfg, self.task, self.model, ref = checkpoint_utils.load_model_for_inference(self.path, need_data=False)
+            cfg, self.task, self.model, ref = load_model_for_inference(self.path, need_data=False)
             # Loaded here for generation only: inference mode and the decoding weight layout.
             self.model.make_generation_fast_()
             logger.info("loaded %s", ref.path)

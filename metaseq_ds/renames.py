@@ -92,6 +92,9 @@ MODULE_MOVES: Dict[str, str] = {
     "fairseq.meters": "metaseq_ds.logging.meters",
     "fairseq.metrics": "metaseq_ds.logging.metrics",
     "fairseq.progress_bar": "metaseq_ds.logging.progress_bar",
+    # checkpoints are one package here (planning, saving, restoring, consolidating, resharding)
+    "fairseq.checkpoint_utils": "metaseq_ds.checkpoint",
+    "metaseq.checkpoint_utils": "metaseq_ds.checkpoint",
 }
 
 # Command lines of fairseq's and metaseq's console scripts that `mseq` replaces.

@@ -28,7 +28,7 @@ from metaseq_ds.dataclass import MetaseqConfig
 from metaseq_ds.device import to_device
 from metaseq_ds.distributed import utils as dist_utils
 from metaseq_ds.distributed.deepspeed_config import optimizer_group_limit, parameter_groups
-from metaseq_ds.distributed.safe_checkpoint_loading import use_weights_only_loading
+from metaseq_ds.checkpoint.safe_loading import use_weights_only_loading
 from metaseq_ds.distributed.tied_embedding import StreamedTiedEmbedding, stream_tied_embedding
 from metaseq_ds.errors import UsageError
 from metaseq_ds.host_memory import release_freed_heap

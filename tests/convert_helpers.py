@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import torch
 
-from metaseq_ds.checkpoint_utils import write_module_checkpoint
+from metaseq_ds.checkpoint.files import write_module_checkpoint
 from metaseq_ds.data import Dictionary
 from metaseq_ds.models.transformer_lm import TransformerLanguageModel
 
@@ -44,12 +44,13 @@ def write_zero0_checkpoint(save_dir: Path, flags, seed: int = 0):
 
 def model_of_checkpoint(path):
     """Our model with a checkpoint's weights, built from its meta config (no data needed)."""
-    from metaseq_ds import checkpoint_utils
+    from metaseq_ds.checkpoint.files import find_checkpoint
+    from metaseq_ds.checkpoint.read import load_model_weights
     from metaseq_ds.options import config_from_dict
 
-    ref = checkpoint_utils.find_checkpoint(str(path))
+    ref = find_checkpoint(str(path))
     cfg = config_from_dict(ref.meta()["config"])
-    weights = checkpoint_utils.load_model_weights(ref)
+    weights = load_model_weights(ref)
     model = build_model(cfg.model, seed=99, vocab=weights["decoder.embed_tokens.weight"].shape[0])
     model.load_state_dict(weights)
     return model, cfg

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from convert_helpers import TINY_MODEL, build_model
-from metaseq_ds.checkpoint_manager import CheckpointManager, Layout, ResumeKind
-from metaseq_ds.checkpoint_utils import write_module_checkpoint
+from metaseq_ds.checkpoint.files import write_module_checkpoint
+from metaseq_ds.checkpoint.layout import Layout
+from metaseq_ds.checkpoint.manager import CheckpointManager, ResumeKind
 from metaseq_ds.distributed.materialize import materialize
 from metaseq_ds.errors import UsageError
 from metaseq_ds.options import parse_train_config

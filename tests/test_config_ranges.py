@@ -34,7 +34,7 @@ from metaseq_ds.dataclass.constraints import Bound, field_bounds, field_types, i
 from metaseq_ds.errors import UsageError
 from metaseq_ds.generation_options import GenerationOptions
 from metaseq_ds.options import component_registries, flag, parse_train_config
-from metaseq_ds.reshard import TargetLayout
+from metaseq_ds.checkpoint.reshard import TargetLayout
 from metaseq_ds.serving.options import ServeOptions
 from migrate.options import Options as MigrateOptions
 

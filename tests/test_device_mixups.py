@@ -84,7 +84,7 @@ def test_a_train_step_runs_on_the_models_device(corpus):
 
 
 def test_decoding_runs_on_the_models_device(corpus, tmp_path, on_meta):
-    from metaseq_ds.checkpoint_utils import load_model_for_inference
+    from metaseq_ds.checkpoint.inference import load_model_for_inference
 
     write_zero0_checkpoint(tmp_path / "ckpt", [str(corpus), *SINUSOIDAL])
     _, task, model, _ = load_model_for_inference(str(tmp_path / "ckpt"), need_data=False)

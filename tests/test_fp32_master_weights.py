@@ -17,7 +17,7 @@ def run_steps(stage: int, share: bool) -> dict:
     import torch
     from deepspeed.utils import safe_get_full_fp32_param
 
-    from metaseq_ds import private_apis
+    from metaseq_ds.private_apis import deepspeed_optimizers as private_apis
     from metaseq_ds.optim.fp32_master_weights import share_fp32_master_weights
 
     engine = tiny_zero_engine({"stage": stage})

@@ -50,7 +50,7 @@ def test_seeded_sampling_is_reproducible_and_input_files_are_read(checkpoint, tm
 
 
 def test_a_loaded_checkpoint_is_made_generation_fast_and_completes_as_the_plain_model(checkpoint):
-    from metaseq_ds import checkpoint_utils
+    from metaseq_ds.checkpoint.inference import load_model_for_inference
     from metaseq_ds.hub_utils import GeneratorInterface
 
     interface = GeneratorInterface(str(checkpoint))
@@ -58,7 +58,7 @@ def test_a_loaded_checkpoint_is_made_generation_fast_and_completes_as_the_plain_
     assert model.decoder.layers[0].fc1.weight.t().is_contiguous()  # laid out for decoding steps
     with pytest.raises(RuntimeError, match="cannot train"):
         model.train()
-    _, task, plain, _ = checkpoint_utils.load_model_for_inference(str(checkpoint), need_data=False)
+    _, task, plain, _ = load_model_for_inference(str(checkpoint), need_data=False)
     fast = interface.generate(["the model", "loss"], max_tokens=8, temperature=0, logprobs=2)
     as_trained = GeneratorInterface(model=plain, task=task).generate(["the model", "loss"], max_tokens=8,
                                                                       temperature=0, logprobs=2)

@@ -66,12 +66,15 @@ def test_hub_layout_without_model_prefix_or_lm_head_imports(tmp_path):
 
 
 def test_restore_file_hf_checks_flags_and_loads(tmp_path):
-    from metaseq_ds.checkpoint_manager import CheckpointManager, Layout
+    from metaseq_ds.checkpoint.layout import Layout
+    from metaseq_ds.checkpoint.manager import CheckpointManager
+    from metaseq_ds.convert.hf_import import read_hf_model
     from metaseq_ds.distributed.materialize import materialize
     from metaseq_ds.options import parse_train_config
 
     def hf_plan(cfg):
-        manager = CheckpointManager(cfg, Layout(world_size=1, zero_stage=0, tensor_parallel_size=1))
+        manager = CheckpointManager(cfg, Layout(world_size=1, zero_stage=0, tensor_parallel_size=1),
+                                    foreign_formats={"hf": read_hf_model})
         return manager, manager.plan()
 
     hf = random_hf_opt()

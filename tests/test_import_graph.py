@@ -1,14 +1,15 @@
-"""The module-level import structure of metaseq_ds: no circles between its subpackages, and the
-model code never reaches the parallelism code (tensor parallelism is applied from outside).
-
-The graph is read from the sources with `ast` (nothing is imported): an edge A -> B means a
-module of A imports a module of B at module level (imports inside functions are deliberate
-lazy loads and do not count). Nodes are metaseq_ds's subpackages and top-level modules.
+"""The import structure of metaseq_ds, read from the sources with `ast` (nothing is imported):
+- no circle between files, counting every import, those inside functions too (a lazy import
+  that only hides a circle is still one); a `mseq` command's module imports no other command's;
+- at module level, no circle between subpackages, and the model code never reaches the
+  parallelism code (tensor parallelism is applied from outside). There an edge A -> B means a
+  module of A imports a module of B at module level (imports inside functions are deliberate
+  lazy loads); nodes are metaseq_ds's subpackages and top-level modules.
 """
 
 import ast
 from pathlib import Path
-from typing import Dict, List, Set
+from typing import Dict, List, Optional, Set
 
 PACKAGE = Path(__file__).resolve().parents[1] / "metaseq_ds"
 
@@ -41,6 +42,40 @@ def import_graph() -> Dict[str, Set[str]]:
         for target in _module_level_imports(ast.parse(path.read_text())):
             if _unit(target) != source:
                 graph.setdefault(source, set()).add(_unit(target))
+    return graph
+
+
+def _module_of(path: Path) -> str:
+    return ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _file_of(module: str) -> Optional[str]:
+    """The metaseq_ds file that `import module` runs last (a package: its __init__), or None."""
+    base = PACKAGE.parent / Path(*module.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return _module_of(candidate) if candidate.name != "__init__.py" else module
+    return None
+
+
+def file_import_graph() -> Dict[str, Set[str]]:
+    """Module -> the metaseq_ds modules it imports anywhere in its file. `from package import name`
+    counts as an import of `package.name` where that is a module, else of the package."""
+    graph: Dict[str, Set[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        module = _module_of(path)
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {_file_of(alias.name) for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets |= {_file_of(f"{base}.{alias.name}") or _file_of(base) for alias in node.names}
+        graph[module] = {target for target in targets if target and target != module}
     return graph
 
 
@@ -93,3 +128,18 @@ def test_model_code_never_reaches_the_parallelism_code():
     for model_package in ("models", "modules"):
         reached = reachable(graph, model_package)
         assert "distributed" not in reached and "model_parallel" not in reached, (model_package, sorted(reached))
+
+
+def test_no_import_circle_between_files_counting_lazy_imports():
+    graph = file_import_graph()
+    assert "metaseq_ds.checkpoint.manager" in graph["metaseq_ds.cli.train"]  # lazy imports are read
+    assert find_cycle(graph) == []
+
+
+def test_no_command_module_imports_another():
+    """`mseq`'s app (cli.main) imports its commands; a command imports what it runs, and `cli.guard`."""
+    graph = file_import_graph()
+    commands = {module for module in graph if module.startswith("metaseq_ds.cli.")} - {
+        "metaseq_ds.cli.main", "metaseq_ds.cli.guard"}
+    for command in sorted(commands):
+        assert not graph[command] & (commands | {"metaseq_ds.cli.main"}), (command, sorted(graph[command] & commands))

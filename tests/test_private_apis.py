@@ -1,43 +1,89 @@
-"""One test per shim of `metaseq_ds.private_apis`: each fails when upstream changes the private
-behaviour metaseq_ds relies on, or when the version check stops guarding it.
+"""`metaseq_ds.private_apis`: each recorded workaround names a test that exists, its upstream
+canaries still hold, and its version gate works; then one test per shim, each failing when
+upstream changes the private behaviour metaseq_ds relies on.
 
 The DeepSpeed shims run in a child process (one rank: DeepSpeed needs a process group, which
 the rest of the test session should not inherit).
 """
 
+import ast
+import importlib
+import inspect
 import json
 import subprocess
 import sys
 from importlib import metadata
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from launch import env
-from metaseq_ds import private_apis
+from metaseq_ds import host_memory
+from metaseq_ds.distributed import gloo_collectives
 from metaseq_ds.errors import UsageError
+from metaseq_ds.private_apis import deepspeed_checkpoints as checkpoints
+from metaseq_ds.private_apis import deepspeed_comm as comm
+from metaseq_ds.private_apis import deepspeed_optimizers as optimizers
+from metaseq_ds.private_apis import deepspeed_tensor_parallel as tensor_parallel
+from metaseq_ds.private_apis import torch_ops, verified
+
+ROOT = Path(__file__).resolve().parents[1]
+# Every module holding a shim or patch (imported above, so each has recorded its own).
+MODULES = (torch_ops, tensor_parallel, comm, optimizers, checkpoints, host_memory, gloo_collectives)
+RELIANCES = sorted(verified.RELIED_ON.values(), key=lambda reliance: reliance.name)
+
+
+def test_every_public_function_of_a_shim_module_is_recorded():
+    recorded = {reliance.name for reliance in RELIANCES}
+    for module in MODULES:
+        public = {f"{module.__name__}.{name}" for name, value in vars(module).items()
+                  if inspect.isfunction(value) and value.__module__ == module.__name__ and not name.startswith("_")}
+        if module.__name__.startswith("metaseq_ds.private_apis."):
+            assert public <= recorded, f"not under @relies_on: {sorted(public - recorded)}"
+        assert public & recorded, module.__name__
+
+
+@pytest.mark.parametrize("reliance", RELIANCES, ids=lambda reliance: reliance.name.rsplit(".", 1)[1])
+def test_each_workaround_names_an_existing_test_and_says_why(reliance):
+    path, test_name = reliance.test.split("::")
+    tree = ast.parse((ROOT / path).read_text())
+    assert test_name in {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}, reliance.test
+    assert reliance.why and reliance.written_for.count(".") == 1
+
+
+@pytest.mark.parametrize("reliance", [r for r in RELIANCES if r.canaries], ids=lambda reliance: reliance.name.rsplit(".", 1)[1])
+def test_upstream_still_shows_each_behaviour_worked_around(reliance):
+    """A canary gone means upstream changed the code worked around: see whether the workaround can go."""
+    for module, line in reliance.canaries:
+        assert line in inspect.getsource(importlib.import_module(module)), (
+            f"{module} no longer has {line!r}: {reliance.name} works around it ({reliance.why})")
 
 
 def test_an_untested_version_stops_with_one_line_unless_allowed(monkeypatch):
     real_version = metadata.version
-    monkeypatch.setattr(private_apis.metadata, "version", lambda name: "9.1.0" if name == "torch" else real_version(name))
-    private_apis.require_tested.cache_clear()
+    monkeypatch.setattr(verified.metadata, "version", lambda name: "9.1.0" if name == "torch" else real_version(name))
+    verified.require_tested.cache_clear()
     try:
-        with pytest.raises(UsageError, match=r"torch's private torch\.ops\.x, verified with torch 2\.13\.x; "
+        with pytest.raises(UsageError, match=r"torch's private torch\.ops\.x, written for torch 2\.13\.x; "
                                              r"this is torch 9\.1\.0: .*METASEQ_DS_ALLOW_UNTESTED=1"):
-            private_apis.require_tested("torch", "torch.ops.x")
-        private_apis.require_tested.cache_clear()
-        monkeypatch.setenv(private_apis.ALLOW_UNTESTED, "1")
+            verified.require_tested("torch", "torch.ops.x", "2.13")
+        verified.require_tested.cache_clear()
+        with pytest.raises(UsageError, match="torch.ops.mkldnn._linear_pointwise"):  # the gate sits on each shim
+            torch_ops.onednn_linear(torch.ones(1, 1), torch.ones(1, 1))
+        verified.require_tested.cache_clear()
+        monkeypatch.setenv(verified.ALLOW_UNTESTED, "1")
         with pytest.warns(UserWarning, match="trying anyway"):
-            private_apis.require_tested("torch", "torch.ops.x")
+            verified.require_tested("torch", "torch.ops.x", "2.13")
     finally:
-        private_apis.require_tested.cache_clear()
+        verified.require_tested.cache_clear()
 
 
-def test_installed_versions_are_the_tested_ones():
-    for package in private_apis.TESTED:
-        private_apis.require_tested(package, "anything")
+def test_installed_versions_are_the_ones_written_for():
+    for reliance in RELIANCES:
+        if reliance.private:
+            verified.require_tested(reliance.package, reliance.what, reliance.written_for)
 
 
 def test_onednn_linear_equals_f_linear_for_plain_and_transposed_weights():
@@ -46,13 +92,13 @@ def test_onednn_linear_equals_f_linear_for_plain_and_transposed_weights():
     weight = torch.randn(16, 24, generator=generator)
     bias = torch.randn(16, generator=generator)
     expected = F.linear(x, weight, bias)
-    torch.testing.assert_close(private_apis.onednn_linear(x, weight, bias), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch_ops.onednn_linear(x, weight, bias), expected, rtol=1e-5, atol=1e-5)
     stored_transposed = weight.t().contiguous().t()  # the decoding layout: an (out, in) view of (in, out)
-    torch.testing.assert_close(private_apis.onednn_linear(x, stored_transposed), F.linear(x, weight), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch_ops.onednn_linear(x, stored_transposed), F.linear(x, weight), rtol=1e-5, atol=1e-5)
 
 
 def test_weights_only_allowed_globals_holds_torchs_tensor_rebuilders():
-    allowed = private_apis.weights_only_allowed_globals()
+    allowed = torch_ops.weights_only_allowed_globals()
     assert allowed["torch._utils._rebuild_tensor_v2"] is torch._utils._rebuild_tensor_v2
     assert "torch.FloatStorage" in allowed and "collections.OrderedDict" in allowed
 
@@ -60,7 +106,7 @@ def test_weights_only_allowed_globals_holds_torchs_tensor_rebuilders():
 def test_even_split_meta_splits_every_dimension_into_equal_parts():
     from deepspeed.module_inject.tp_shard import get_shard_size_list
 
-    meta = private_apis.even_split_tp_meta()
+    meta = tensor_parallel.even_split_tp_meta()
     assert list(get_shard_size_list(48, 2, meta, "decoder.layers.0.self_attn.q_proj")) == [24, 24]
     assert list(get_shard_size_list(272, 4, meta, "decoder.output_projection")) == [68] * 4
 
@@ -104,10 +150,10 @@ def _engine(stage: int, steps: int = 1, bf16: bool = False):
 
 def _check_unfused() -> dict:
     engine, base = _engine(0, steps=0, bf16=True)
-    copies = private_apis.unfused_fp32_masters(engine.optimizer)
+    copies = optimizers.unfused_fp32_masters(engine.optimizer)
     return {"copies": len(copies), "fp32": all(master.dtype == torch.float32 for master in copies.values()),
             "base_step": int(next(iter(base.state.values()))["step"]),
-            "construction_steps": private_apis.unfused_optimizer_construction_steps()}
+            "construction_steps": optimizers.unfused_optimizer_construction_steps()}
 
 
 def _linked_then_set(stage: int) -> bool:
@@ -115,11 +161,11 @@ def _linked_then_set(stage: int) -> bool:
     from deepspeed.utils import safe_get_full_optimizer_state, safe_set_full_optimizer_state
 
     engine, base = _engine(stage, steps=0)
-    stepped = ([master for master, _ in private_apis.zero3_flat_partitions(engine.optimizer)] if stage == 3
+    stepped = ([master for master, _ in optimizers.zero3_flat_partitions(engine.optimizer)] if stage == 3
                else [flat for group in base.param_groups for flat in group["params"]])
     for flat in stepped:
         base.state[flat] = {"step": torch.tensor(1.0), "exp_avg": torch.zeros_like(flat), "exp_avg_sq": torch.zeros_like(flat)}
-    private_apis.link_optimizer_state_fragments(engine.optimizer)
+    optimizers.link_optimizer_state_fragments(engine.optimizer)
     param = next(engine.module.parameters())
     value = torch.arange(float(param.ds_numel if stage == 3 else param.numel())).view(
         param.ds_shape if stage == 3 else param.shape)
@@ -130,39 +176,39 @@ def _linked_then_set(stage: int) -> bool:
 def _check_stage(stage: int, folder: str) -> dict:
     from deepspeed import zero
 
-    from metaseq_ds.distributed.safe_checkpoint_loading import safe_load
+    from metaseq_ds.checkpoint.safe_loading import safe_load
 
     from deepspeed.utils import safe_get_full_optimizer_state
 
     engine, _ = _engine(stage)
     result = {}
     if stage == 3:
-        pairs = private_apis.zero3_flat_partitions(engine.optimizer)
+        pairs = optimizers.zero3_flat_partitions(engine.optimizer)
         result["partition_pairs"] = {"count": len(pairs), "same_layout": all(
             (m.dtype, m.shape) == (p.dtype, p.shape) for m, p in pairs)}
         first = next(engine.module.parameters())  # one rank: its partition is the whole (padded) parameter
-        result["partition_starts"] = [private_apis.zero3_partition_start(first, 0),
-                                      private_apis.zero3_partition_start(first, 1) >= first.ds_numel]
+        result["partition_starts"] = [optimizers.zero3_partition_start(first, 0),
+                                      optimizers.zero3_partition_start(first, 1) >= first.ds_numel]
     loads = []
 
     def counting_load(path, map_location=None):
         loads.append(path)
         return safe_load(path, map_location=map_location)
 
-    private_apis.replace_checkpoint_loader(engine, counting_load)
+    checkpoints.replace_checkpoint_loader(engine, counting_load)
     engine.save_checkpoint(folder, tag="t")
     engine.load_checkpoint(folder, tag="t")
     result["loads_through_override"] = len(loads)
-    consolidated = private_apis.consolidate_zero_shards(f"{folder}/t", 0)
+    consolidated = checkpoints.consolidate_zero_shards(f"{folder}/t", 0)
     params = dict(engine.module.named_parameters())
     with zero.GatheredParameters(list(params.values()), enabled=stage == 3):
         result["consolidated_equal"] = sorted(consolidated) == sorted(params) and all(
             torch.equal(consolidated[name].contiguous().float(), value.detach().float()) for name, value in params.items())
-    moments = private_apis.zero_checkpoint_values(f"{folder}/t", 0, "exp_avg")
-    private_apis.link_optimizer_state_fragments(engine.optimizer)  # load_checkpoint unlinked them
+    moments = checkpoints.zero_checkpoint_values(f"{folder}/t", 0, "exp_avg", safe_load)
+    optimizers.link_optimizer_state_fragments(engine.optimizer)  # load_checkpoint unlinked them
     result["moments_equal"] = all(torch.equal(moments[name].contiguous(), safe_get_full_optimizer_state(value, "exp_avg"))
                                   for name, value in params.items())
-    result["step"] = private_apis.zero_checkpoint_step(f"{folder}/t", 0)
+    result["step"] = checkpoints.zero_checkpoint_step(f"{folder}/t", 0, safe_load)
     result["linked_then_set"] = _linked_then_set(stage)
     return result
 
@@ -174,13 +220,13 @@ if __name__ == "__main__":
 
     dist_utils.prepare_environment()
     deepspeed.init_distributed()  # dist_utils.init_distributed's steps, with a look at /dev/shm in between
-    buffer = private_apis.shm_allreduce_buffer(0)
+    buffer = comm.shm_allreduce_buffer(0)
     found = {"shm": {"created_as_named": buffer.is_file()}}
     dist_utils.release_shm_buffer()
     found["shm"]["released"] = not buffer.exists()
-    found["groups"] = {"before": private_apis.tensor_parallel_groups_initialized()}
-    private_apis.init_tensor_parallel_groups(1)
-    found["groups"].update(after=private_apis.tensor_parallel_groups_initialized(),
+    found["groups"] = {"before": tensor_parallel.tensor_parallel_groups_initialized()}
+    tensor_parallel.init_tensor_parallel_groups(1)
+    found["groups"].update(after=tensor_parallel.tensor_parallel_groups_initialized(),
                            tp_size=dist_utils.get_tensor_model_parallel_world_size())
     for stage in (2, 3):
         found[str(stage)] = _check_stage(stage, f"{sys.argv[1]}/zero{stage}")

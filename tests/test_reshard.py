@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from convert_helpers import TINY_MODEL, build_model
 from launch import TINY, env, losses, run, tree_digest, write_corpus
-from metaseq_ds.checkpoint_utils import write_module_checkpoint
+from metaseq_ds.checkpoint.files import write_module_checkpoint
 from metaseq_ds.cli.main import app
 from metaseq_ds.options import parse_train_config
 
@@ -113,7 +113,7 @@ def test_bad_reshard_input_is_one_line_exit_2_and_nothing_written(case, saved, t
 
 
 def test_vocabulary_rows_a_larger_tensor_parallel_degree_adds_start_with_zero_moments():
-    from metaseq_ds.optimizer_state import SavedOptimizerState, _whole_value
+    from metaseq_ds.checkpoint.optimizer_state import SavedOptimizerState, _whole_value
 
     saved_rows = torch.rand(6, 2)
     state = SavedOptimizerState(lambda key: {"decoder.embed_tokens.weight": saved_rows}, step=3, source="ckpt")

@@ -105,7 +105,7 @@ def test_tp2_dp2_zero3_on_4_ranks_follows_one_rank_then_resumes_resharded_at_tp1
 
     from transformers import OPTForCausalLM
 
-    from metaseq_ds.checkpoint_utils import load_model_for_inference
+    from metaseq_ds.checkpoint.inference import load_model_for_inference
 
     hf = OPTForCausalLM.from_pretrained(exported).eval()
     _, _, ours, _ = load_model_for_inference(str(save_dir / "checkpoint_1_3"), need_data=False)

@@ -17,7 +17,7 @@ from launch import env, tiny_zero_engine, tiny_zero_step
 
 
 def run_steps(stage: int, lean: bool, bf16: bool) -> dict:
-    from metaseq_ds import private_apis
+    from metaseq_ds.private_apis import deepspeed_optimizers as private_apis
     from metaseq_ds.optim.zero_step import lean_zero_step
 
     # ZeRO-3: sub-groups of at most 500 of the 1348 parameters, the first weight alone, then the

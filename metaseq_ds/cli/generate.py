@@ -21,11 +21,52 @@ import sys
 from pathlib import Path
 from typing import List, Optional, Sequence
 
+import typer
+
+from metaseq_ds.cli.guard import guarded, run_alone
 from metaseq_ds.errors import UsageError
 from metaseq_ds.generation_options import GenerationOptions, StopItem
 from metaseq_ds.streamed_text import StreamedText
 
 OUTPUT_FORMATS = ("text", "jsonl")
+
+
+def _flag(field: str) -> str:
+    """`mseq generate`'s flag for a GenerationOptions field."""
+    return "--" + field.replace("_", "-")
+
+
+def _sampling_flag(field: str):
+    """A `mseq generate` flag whose default and help (description, range) are the options' field's."""
+    return typer.Option(GenerationOptions.model_fields[field].default, _flag(field),
+                        help=GenerationOptions.describe(field, _flag))
+
+
+def command(
+    prompts: Optional[List[str]] = typer.Argument(None, help="prompts (none: --input-file, or an interactive prompt on a terminal)"),
+    path: str = typer.Option(..., "--path", help="checkpoint: a save dir (its last checkpoint) or a checkpoint_* dir"),
+    input_file: Optional[str] = typer.Option(None, "--input-file", help="prompts, one per line, or .jsonl with a \"prompt\" field"),
+    max_tokens: int = _sampling_flag("max_tokens"),
+    min_tokens: int = _sampling_flag("min_tokens"),
+    temperature: float = _sampling_flag("temperature"),
+    top_p: float = _sampling_flag("top_p"),
+    top_k: int = _sampling_flag("top_k"),
+    n: int = _sampling_flag("n"),
+    best_of: Optional[int] = _sampling_flag("best_of"),
+    logprobs: int = _sampling_flag("logprobs"),
+    echo: bool = _sampling_flag("echo"),
+    stop: Optional[List[str]] = typer.Option(None, "--stop", help=GenerationOptions.describe("stop", _flag) + "; repeatable"),
+    seed: Optional[int] = _sampling_flag("seed"),
+    length_penalty: float = _sampling_flag("length_penalty"),
+    output_format: str = typer.Option("text", "--output-format", help="text, or jsonl (metaseq's result dicts)"),
+) -> None:
+    """Complete prompts with a checkpoint: greedy, sampling (top-k/top-p) or beam search."""
+    values = dict(max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                  n=n, best_of=best_of, logprobs=logprobs, echo=echo, stop=stop or (), seed=seed,
+                  length_penalty=length_penalty)
+    with guarded("generate"):
+        options = GenerationOptions.from_values(values, name=_flag)
+        main(prompts or [], path, input_file, options, output_format)
 
 
 def main(prompts: List[str], path: str, input_file: Optional[str], options: GenerationOptions,
@@ -135,8 +176,4 @@ def run_interactive(interface, options: GenerationOptions, output_format: str) -
 
 
 if __name__ == "__main__":
-    # `deepspeed --module metaseq_ds.cli.generate ...` (or torchrun -m): the rank comes from the
-    # environment; the deepspeed launcher's own --local_rank=N is not ours.
-    from metaseq_ds.cli.main import main as mseq_main
-
-    mseq_main(["generate", *[arg for arg in sys.argv[1:] if not arg.startswith("--local_rank")]])
+    run_alone("generate", command, sys.argv[1:])

@@ -5,20 +5,17 @@ so `mseq --help` never imports torch or deepspeed.
 `metaseq_ds.options` from the config dataclasses; typer only routes to it.
 """
 
-import sys
-from contextlib import contextmanager
 from typing import List, Optional
 
 import typer
 
 from metaseq_ds import __version__
+from metaseq_ds.checkpoint.reshard import TargetLayout
+from metaseq_ds.cli import generate, serve  # their typer commands: pydantic and typer only, no torch
+from metaseq_ds.cli.guard import install_compat, run_guarded
 from metaseq_ds.cli.preprocess import PreprocessOptions
-from metaseq_ds.dataclass.configs import DatasetConfig  # pydantic only, as the two below
+from metaseq_ds.dataclass.configs import DatasetConfig  # pydantic only, as the one below
 from metaseq_ds.dataclass.constraints import describe_range
-from metaseq_ds.errors import UsageError
-from metaseq_ds.generation_options import GenerationOptions  # pydantic only: --help stays free of torch
-from metaseq_ds.reshard import TargetLayout
-from metaseq_ds.serving.options import ServeOptions
 from migrate.options import Options as MigrateOptions
 
 app = typer.Typer(
@@ -30,22 +27,6 @@ app = typer.Typer(
 )
 
 PASS_THROUGH = {"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []}
-
-
-@contextmanager
-def guarded(command: str):
-    """A UsageError raised inside becomes one line on stderr and exit code 2."""
-    try:
-        yield
-    except UsageError as error:
-        print(f"mseq {command}: error: {error}", file=sys.stderr)
-        raise SystemExit(error.exit_code) from None
-
-
-def run_guarded(command: str, fn, *args) -> None:
-    """Run a command's function under `guarded`."""
-    with guarded(command):
-        fn(*args)
 
 
 @app.command(context_settings=PASS_THROUGH, add_help_option=False)
@@ -72,67 +53,8 @@ def validate(
     run_guarded("validate", validate_module.main, path, valid_subset, data, batch_size, max_valid_steps)
 
 
-def _flag(field: str) -> str:
-    """`mseq generate`'s flag for a GenerationOptions field."""
-    return "--" + field.replace("_", "-")
-
-
-def _sampling_flag(field: str):
-    """A `mseq generate` flag whose default and help (description, range) are the options' field's."""
-    return typer.Option(GenerationOptions.model_fields[field].default, _flag(field),
-                        help=GenerationOptions.describe(field, _flag))
-
-
-@app.command()
-def generate(
-    prompts: Optional[List[str]] = typer.Argument(None, help="prompts (none: --input-file, or an interactive prompt on a terminal)"),
-    path: str = typer.Option(..., "--path", help="checkpoint: a save dir (its last checkpoint) or a checkpoint_* dir"),
-    input_file: Optional[str] = typer.Option(None, "--input-file", help="prompts, one per line, or .jsonl with a \"prompt\" field"),
-    max_tokens: int = _sampling_flag("max_tokens"),
-    min_tokens: int = _sampling_flag("min_tokens"),
-    temperature: float = _sampling_flag("temperature"),
-    top_p: float = _sampling_flag("top_p"),
-    top_k: int = _sampling_flag("top_k"),
-    n: int = _sampling_flag("n"),
-    best_of: Optional[int] = _sampling_flag("best_of"),
-    logprobs: int = _sampling_flag("logprobs"),
-    echo: bool = _sampling_flag("echo"),
-    stop: Optional[List[str]] = typer.Option(None, "--stop", help=GenerationOptions.describe("stop", _flag) + "; repeatable"),
-    seed: Optional[int] = _sampling_flag("seed"),
-    length_penalty: float = _sampling_flag("length_penalty"),
-    output_format: str = typer.Option("text", "--output-format", help="text, or jsonl (metaseq's result dicts)"),
-) -> None:
-    """Complete prompts with a checkpoint: greedy, sampling (top-k/top-p) or beam search."""
-    from metaseq_ds.cli import generate as generate_module
-
-    values = dict(max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                  n=n, best_of=best_of, logprobs=logprobs, echo=echo, stop=stop or (), seed=seed,
-                  length_penalty=length_penalty)
-    with guarded("generate"):
-        options = GenerationOptions.from_values(values, name=_flag)
-        generate_module.main(prompts or [], path, input_file, options, output_format)
-
-
-@app.command()
-def serve(
-    path: str = typer.Option(..., "--path", help="checkpoint: a save dir (its last checkpoint) or a checkpoint_* dir"),
-    host: str = typer.Option(ServeOptions.host, "--host", help="address to listen on (0.0.0.0: every interface; give an --api-key then)"),
-    port: int = typer.Option(ServeOptions.port, "--port",
-                             help="TCP port (0: any free port; the address is printed)" + describe_range(ServeOptions, "port")),
-    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MSEQ_API_KEY",
-                                          help="require 'Authorization: Bearer KEY' on every route but /health"),
-    max_batch_tokens: int = typer.Option(
-        ServeOptions.max_batch_tokens, "--max-batch-tokens",
-        help="decode at most this many KV-cache positions per batch (sequences x (longest prompt + most new tokens)); "
-             "larger requests are refused" + describe_range(ServeOptions, "max_batch_tokens")),
-    max_request_bytes: int = typer.Option(
-        ServeOptions.max_request_bytes, "--max-request-bytes",
-        help="refuse request bodies larger than this (HTTP 413)" + describe_range(ServeOptions, "max_request_bytes")),
-) -> None:
-    """Serve a checkpoint over HTTP: metaseq's hosted API, OpenAI-compatible completions, batched."""
-    from metaseq_ds.cli import serve as serve_module
-
-    run_guarded("serve", serve_module.main, ServeOptions(path, host, port, api_key, max_batch_tokens, max_request_bytes))
+app.command("generate")(generate.command)
+app.command("serve")(serve.command)
 
 
 @app.command()
@@ -247,9 +169,7 @@ def _root(
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    from metaseq_ds.user_code import install_compat_if_asked
-
-    run_guarded("compat", install_compat_if_asked)  # plugins that `import fairseq` and cannot be edited
+    install_compat()
     app(args=argv, prog_name="mseq")
 
 

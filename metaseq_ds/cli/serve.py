@@ -21,8 +21,31 @@ import sys
 from pathlib import Path
 from typing import Optional
 
+import typer
+
+from metaseq_ds.cli.guard import run_alone, run_guarded
+from metaseq_ds.dataclass.constraints import describe_range
 from metaseq_ds.errors import UsageError
 from metaseq_ds.serving.options import ServeOptions
+
+
+def command(
+    path: str = typer.Option(..., "--path", help="checkpoint: a save dir (its last checkpoint) or a checkpoint_* dir"),
+    host: str = typer.Option(ServeOptions.host, "--host", help="address to listen on (0.0.0.0: every interface; give an --api-key then)"),
+    port: int = typer.Option(ServeOptions.port, "--port",
+                             help="TCP port (0: any free port; the address is printed)" + describe_range(ServeOptions, "port")),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MSEQ_API_KEY",
+                                          help="require 'Authorization: Bearer KEY' on every route but /health"),
+    max_batch_tokens: int = typer.Option(
+        ServeOptions.max_batch_tokens, "--max-batch-tokens",
+        help="decode at most this many KV-cache positions per batch (sequences x (longest prompt + most new tokens)); "
+             "larger requests are refused" + describe_range(ServeOptions, "max_batch_tokens")),
+    max_request_bytes: int = typer.Option(
+        ServeOptions.max_request_bytes, "--max-request-bytes",
+        help="refuse request bodies larger than this (HTTP 413)" + describe_range(ServeOptions, "max_request_bytes")),
+) -> None:
+    """Serve a checkpoint over HTTP: metaseq's hosted API, OpenAI-compatible completions, batched."""
+    run_guarded("serve", main, ServeOptions(path, host, port, api_key, max_batch_tokens, max_request_bytes))
 
 
 def main(options: ServeOptions) -> None:
@@ -100,8 +123,4 @@ def build_app(interface, runner, model_name: str, api_key: Optional[str], max_ba
 
 
 if __name__ == "__main__":
-    # `deepspeed --module metaseq_ds.cli.serve ...` (or torchrun -m): the rank comes from the
-    # environment; the deepspeed launcher's own --local_rank=N is not ours.
-    from metaseq_ds.cli.main import main as mseq_main
-
-    mseq_main(["serve", *[arg for arg in sys.argv[1:] if not arg.startswith("--local_rank")]])
+    run_alone("serve", command, sys.argv[1:])

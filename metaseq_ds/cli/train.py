@@ -56,7 +56,9 @@ def main(cfg) -> None:
     import torch
 
     from metaseq_ds import tasks
-    from metaseq_ds.checkpoint_manager import CheckpointManager, Layout
+    from metaseq_ds.checkpoint.layout import Layout
+    from metaseq_ds.checkpoint.manager import CheckpointManager
+    from metaseq_ds.convert.hf_import import read_hf_model
     from metaseq_ds.distributed import utils as dist_utils
     from metaseq_ds.distributed.deepspeed_config import build_deepspeed_config
     from metaseq_ds.distributed.materialize import build_model
@@ -74,7 +76,7 @@ def main(cfg) -> None:
     dist_utils.init_distributed(cfg.distributed_training.distributed_port, tp_size)
     check_optimizer_kernels(cfg.optimizer)  # a JIT kernel that cannot build stops us before anything is written
     dp_rank, dp_size = dist_utils.get_data_parallel_rank(), dist_utils.get_data_parallel_world_size()
-    checkpoints = CheckpointManager(cfg, Layout.of_run(cfg, world_size))
+    checkpoints = CheckpointManager(cfg, Layout.of_run(cfg, world_size), foreign_formats={"hf": read_hf_model})
     plan = checkpoints.plan()
     cfg = checkpoints.resolve_config(plan)
     if cfg.dataset.demo:

@@ -17,12 +17,12 @@ def main(path: str, valid_subset: Optional[str], data: Optional[str], batch_size
         if value is not None:
             validate_value(DatasetConfig, name, value, "--" + name.replace("_", "-"))
 
-    from metaseq_ds import checkpoint_utils
+    from metaseq_ds.checkpoint.inference import load_model_for_inference
     from metaseq_ds.logging.progress_bar import setup_logging
     from metaseq_ds.validation import validation_loss
 
     setup_logging()
-    cfg, task, model, ref = checkpoint_utils.load_model_for_inference(path, data)
+    cfg, task, model, ref = load_model_for_inference(path, data)
     meta = ref.meta()
     criterion = task.build_criterion(cfg.criterion)
     for subset in (valid_subset or cfg.dataset.valid_subset).split(","):

@@ -26,9 +26,9 @@ def export_hf(checkpoint: str, out: str, dtype: str = "fp32", max_shard_size: st
     import torch
     from transformers import GenerationConfig
 
-    from metaseq_ds import checkpoint_utils
-    from metaseq_ds.convert.output_dir import check_free, staged_output
-    from metaseq_ds.convert.safetensors_stream import parse_size, write_model
+    from metaseq_ds.checkpoint import files
+    from metaseq_ds.checkpoint.safetensors_io import parse_size, write_model
+    from metaseq_ds.checkpoint.staged_output import check_free, staged_output
     from metaseq_ds.models.hf_opt import to_hf_config
 
     if dtype not in DTYPES:
@@ -39,10 +39,10 @@ def export_hf(checkpoint: str, out: str, dtype: str = "fp32", max_shard_size: st
         raise UsageError(f"--max-shard-size: {error}") from None
     out_dir = Path(out)
     check_free(out_dir)
-    ref = checkpoint_utils.find_checkpoint(checkpoint)
+    ref = files.find_checkpoint(checkpoint)
     if ref is None:
         raise UsageError(f"CKPT {checkpoint} is not a checkpoint (expected a save dir with checkpoint_last, "
-                         f"or a checkpoint_* dir with {checkpoint_utils.META})")
+                         f"or a checkpoint_* dir with {files.META})")
     meta = ref.meta()
     model_cfg = saved_model_config(meta, ref.path)
     weights = _read_lazily(ref)
@@ -73,12 +73,12 @@ def saved_model_config(meta: Dict[str, Any], where: Path):
 
 
 def _read_lazily(ref) -> Dict[str, Any]:
-    from metaseq_ds import checkpoint_utils
+    from metaseq_ds.checkpoint.read import lazy_model_weights
 
     try:
         # DeepSpeed's consolidation prints progress meant for its own script; ours stays quiet.
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            return checkpoint_utils.lazy_model_weights(ref)
+            return lazy_model_weights(ref)
     except Exception as error:  # torch/DeepSpeed raise many types for a damaged file
         first = (str(error).splitlines() or [type(error).__name__])[0]
         raise UsageError(f"{ref.path}: cannot read the weights (truncated or damaged file?): {first}") from None
@@ -86,7 +86,7 @@ def _read_lazily(ref) -> Dict[str, Any]:
 
 def pending_hf_tensors(weights: Dict[str, Any], model_cfg, torch_dtype, where: Path):
     """One `PendingTensor` per HF key, in our order; each converts its tensor when written."""
-    from metaseq_ds.convert.safetensors_stream import PendingTensor
+    from metaseq_ds.checkpoint.safetensors_io import PendingTensor
     from metaseq_ds.models.hf_opt import key_map
     from metaseq_ds.models.transformer_decoder import embed_scale
 

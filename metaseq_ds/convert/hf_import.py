@@ -13,8 +13,7 @@ import json
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
-import torch
-
+from metaseq_ds.checkpoint.safetensors_io import read_weight_file
 from metaseq_ds.errors import UsageError
 
 
@@ -101,43 +100,10 @@ def read_hf_weights(folder: Path) -> Dict[str, Any]:
             break
     else:
         raise UsageError(f"HF_DIR {folder} has no weights (model.safetensors or pytorch_model.bin, or their index)")
-    weights: Dict[str, torch.Tensor] = {}
+    weights: Dict[str, Any] = {}
     for name in files:
         weights.update(read_weight_file(folder / name))
     return weights
-
-
-def read_weight_file(path: Path) -> Dict[str, Any]:
-    if not path.is_file():
-        raise UsageError(f"{path}: listed in the index but missing")
-    try:
-        if path.suffix == ".safetensors":
-            from safetensors import safe_open
-
-            handle = safe_open(str(path), framework="pt")
-            return {key: SafetensorsTensor(path, handle, key) for key in handle.keys()}
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as error:  # safetensors and torch raise many types for a damaged file
-        raise _unreadable(path, error) from None
-
-
-def _unreadable(path: Path, error: Exception) -> UsageError:
-    first = (str(error).splitlines() or [type(error).__name__])[0]
-    return UsageError(f"{path}: cannot read (truncated or damaged file?): {first}")
-
-
-class SafetensorsTensor:
-    """One tensor of a safetensors file, read only when `.contiguous()` is called."""
-
-    def __init__(self, path: Path, handle, key: str):
-        self.path, self.handle, self.key = path, handle, key
-        self.shape = torch.Size(handle.get_slice(key).get_shape())
-
-    def contiguous(self) -> torch.Tensor:
-        try:
-            return self.handle.get_tensor(self.key)
-        except Exception as error:  # a file cut short fails only when its data is read
-            raise _unreadable(self.path, error) from None
 
 
 def tokenizer_files(folder: Path) -> Dict[str, Path]:

@@ -63,7 +63,7 @@ class StandIn:
 
 
 def _allowed_globals() -> Dict[str, Any]:
-    from metaseq_ds.private_apis import weights_only_allowed_globals
+    from metaseq_ds.private_apis.torch_ops import weights_only_allowed_globals
 
     allowed = weights_only_allowed_globals()
     allowed.update(EXTRA_ALLOWED)

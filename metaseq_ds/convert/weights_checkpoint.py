@@ -65,9 +65,9 @@ def write_weights_only_checkpoint(
     out: Path, state_dict: Dict[str, torch.Tensor], model_fields: Dict[str, Any],
     tokenizer_files: Dict[str, Path], source: str,
 ) -> List[str]:
-    """Check, then write atomically (see `output_dir`); returns notes for the user."""
-    from metaseq_ds.checkpoint_utils import write_module_checkpoint
-    from metaseq_ds.convert.output_dir import check_free, staged_output
+    """Check, then write atomically (see `checkpoint.staged_output`); returns notes for the user."""
+    from metaseq_ds.checkpoint.files import write_module_checkpoint
+    from metaseq_ds.checkpoint.staged_output import check_free, staged_output
 
     check_free(out)
     vocab_size = state_dict["decoder.embed_tokens.weight"].shape[0]

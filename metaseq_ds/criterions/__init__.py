@@ -10,19 +10,10 @@ Plugins register their own with `@register_criterion("name", dataclass=Config)`.
 """
 
 from metaseq_ds.criterions.base_criterion import BaseCriterion
-from metaseq_ds.registry import Registry
+from metaseq_ds.criterions.registry import CRITERION_REGISTRY, build_criterion, register_criterion
 
-CRITERION_REGISTRY = Registry("criterion", "--criterion", base=BaseCriterion)
-register_criterion = CRITERION_REGISTRY.register
-
-
-def build_criterion(criterion_cfg, task) -> BaseCriterion:
-    """Build the criterion named by `criterion_cfg._name` for `task`."""
-    return CRITERION_REGISTRY.get(criterion_cfg._name).cls.build_criterion(criterion_cfg, task)
-
-
-# Built-ins register on import (after the registry exists, which they import).
-from metaseq_ds.criterions.cross_entropy import CrossEntropyCriterion, CrossEntropyCriterionConfig  # noqa: E402
+# Built-ins register on import.
+from metaseq_ds.criterions.cross_entropy import CrossEntropyCriterion, CrossEntropyCriterionConfig
 
 __all__ = [
     "BaseCriterion",

@@ -3,7 +3,8 @@
 import math
 from dataclasses import dataclass
 
-from metaseq_ds.criterions import BaseCriterion, register_criterion
+from metaseq_ds.criterions.base_criterion import BaseCriterion
+from metaseq_ds.criterions.registry import register_criterion
 from metaseq_ds.dataclass import MetaseqDataclass
 from metaseq_ds.logging import metrics
 from metaseq_ds.modules.cross_entropy import cross_entropy

@@ -18,7 +18,7 @@ bucket, so reduced on their own) took three copies.
 Measured on this machine, 100M fp32 elements: all-gather 0.14 s against 0.61 s on 2 ranks, 0.42 s
 against 1.2 s on 4; reduce-scatter 0.4 s against 0.8 s on 2 ranks, 1.2 s against 1.6 s on 4. NCCL
 does both in place already; these are installed for gloo only (`utils.init_distributed`,
-through `private_apis.route_deepspeed_collectives`). One broadcast per rank suits the few CPU
+through `private_apis.deepspeed_comm.route_deepspeed_collectives`). One broadcast per rank suits the few CPU
 ranks gloo serves; at GPU scale (a data-parallel group of 128 at opt_175b on 1024 ranks) NCCL's
 own collectives run.
 """
@@ -27,6 +27,8 @@ from typing import List, Optional
 
 import torch
 import torch.distributed as dist
+
+from metaseq_ds.private_apis.verified import relies_on
 
 
 class _Works:
@@ -44,6 +46,10 @@ class _Works:
         return all(work.is_completed() for work in self.works)
 
 
+@relies_on("torch", "gloo's all_gather_into_tensor (a second copy of the data)", written_for="2.13", cuda=False, private=False,
+           test="tests/test_gloo_collectives.py::test_in_place_gloo_collectives_equal_torchs_and_deepspeed_reaches_them",
+           why="gloo gathers into a new flat tensor, then copies it into the output: every ZeRO-3 parameter gather "
+               "held its result twice (781 MB for the 707M model's 390 MB embedding); gloo only: NCCL works in place")
 def all_gather_into_tensor_in_place(output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                                     group: Optional[dist.ProcessGroup] = None,
                                     async_op: bool = False) -> Optional[_Works]:
@@ -60,6 +66,10 @@ def all_gather_into_tensor_in_place(output_tensor: torch.Tensor, input_tensor: t
     return _finish(_Works(works), async_op)
 
 
+@relies_on("torch", "gloo's reduce_scatter_tensor (a second copy of the data)", written_for="2.13", cuda=False, private=False,
+           test="tests/test_gloo_collectives.py::test_in_place_gloo_collectives_equal_torchs_and_deepspeed_reaches_them",
+           why="gloo allocates a tensor of the input's size: every ZeRO-3 gradient reduce-scatter held its input "
+               "twice (three copies of a 33 MB FFN gradient at 707M); gloo only: NCCL works in place")
 def reduce_scatter_tensor_in_place(output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                                    op=dist.ReduceOp.SUM, group: Optional[dist.ProcessGroup] = None,
                                    async_op: bool = False):

@@ -33,7 +33,7 @@ from metaseq_ds.distributed.tensor_parallel import partition_dim
 
 class ParameterValues(Protocol):
     """Where parameters get their values: `models.initialization.InitialValues` (the model's own
-    initialiser) or `checkpoint_utils.CheckpointValues` (saved weights, read tensor by tensor)."""
+    initialiser) or `checkpoint.values.CheckpointValues` (saved weights, read tensor by tensor)."""
 
     def shard(self, name: str, full_shape: Sequence[int], dim: Optional[int], rank: int, size: int) -> torch.Tensor:
         """This rank's part of parameter `name` (whole shape `full_shape`, split on `dim` into

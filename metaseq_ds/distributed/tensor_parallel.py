@@ -142,7 +142,8 @@ def apply_tensor_parallel(model: nn.Module, gather_logits: bool = True) -> nn.Mo
         set_autotp_mode,
     )
 
-    from metaseq_ds.private_apis import even_split_tp_meta, tp_forward_saving_the_parameter
+    from metaseq_ds.modules.linear import linear
+    from metaseq_ds.private_apis.deepspeed_tensor_parallel import even_split_tp_meta, tp_forward_saving_the_parameter
 
     # Training mode: DeepSpeed's layers then use autograd-safe (not in-place) ops.
     set_autotp_mode(training=True)
@@ -164,7 +165,7 @@ def apply_tensor_parallel(model: nn.Module, gather_logits: bool = True) -> nn.Mo
         else:
             layer = VocabParallelEmbedding(module, group, tied_vocab_parallel_linear=head if tied else None, **kwargs)
         if style != "vocab_embedding":  # so that ZeRO-3 can free each layer's gathered weight after its forward
-            layer.forward = tp_forward_saving_the_parameter(layer, row_parallel=style == "row")
+            layer.forward = tp_forward_saving_the_parameter(layer, row_parallel=style == "row", linear=linear)
         _replace(model, name, layer)
     tp_rank = dist_utils.get_tensor_model_parallel_rank()
     for name, module in model.named_modules():

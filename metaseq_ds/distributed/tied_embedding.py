@@ -14,7 +14,7 @@ rank held W's output-projection gradient through its whole backward, then W gath
 (ZeRO-3 gathers a module's parameters before its backward, although an embedding's backward
 never reads them) and the embedding's dense gradient.
 
-Here ZeRO-3's hooks are taken off the two modules (`private_apis.stop_zero3_gathering`), and
+Here ZeRO-3's hooks are taken off the two modules (`private_apis.deepspeed_optimizers.stop_zero3_gathering`), and
 they read W a chunk at a time (`CHUNK_ELEMENTS` for all ranks' slices together): each chunk
 is the same offsets of every rank's flat partition, all-gathered over the data-parallel group
 through DeepSpeed's backend, and is used and dropped before the next is gathered. The lookup
@@ -86,8 +86,9 @@ class StreamedTiedEmbedding:
 
     def __init__(self, engine, embedding: nn.Module, head: nn.Module, vocab_start: int, padding_idx: Optional[int],
                  scale: Optional[torch.Tensor] = None):
-        from metaseq_ds.private_apis import (stop_zero3_gathering, tp_forward_saving_the_parameter,
-                                             tp_vocab_embedding_forward)
+        from metaseq_ds.modules.linear import linear
+        from metaseq_ds.private_apis.deepspeed_optimizers import stop_zero3_gathering
+        from metaseq_ds.private_apis.deepspeed_tensor_parallel import tp_forward_saving_the_parameter, tp_vocab_embedding_forward
 
         self.weight = embedding.weight
         self.vocab_start, self.padding_idx, self.scale = vocab_start, padding_idx, scale
@@ -104,7 +105,7 @@ class StreamedTiedEmbedding:
             embedding.forward = self.lookup
         embedding.register_forward_hook(self._embedding_as_leaf)
         if hasattr(head, "vocab_start_index"):  # DeepSpeed's VocabParallelLinear
-            head.forward = tp_forward_saving_the_parameter(head, row_parallel=False, product=self._project)
+            head.forward = tp_forward_saving_the_parameter(head, row_parallel=False, linear=linear, product=self._project)
         else:
             head.forward = self._project
 
@@ -178,7 +179,7 @@ class StreamedTiedEmbedding:
         """The chunk plan W's reads and its gradient share: per chunk (offset, length, ranges),
         where each range (rank, start, end) is the flat positions of W that rank's partition holds
         at [offset, offset + length), cut at W's end (empty in the padding after it)."""
-        from metaseq_ds.private_apis import zero3_partition_start
+        from metaseq_ds.private_apis.deepspeed_optimizers import zero3_partition_start
 
         step, end_of_weight = chunk_length(partition_size, self.group_size), self.rows * self.width
         for offset in range(0, partition_size, step):

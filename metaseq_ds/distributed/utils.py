@@ -59,12 +59,12 @@ def init_distributed(distributed_port: int = -1, tensor_parallel_size: int = 1) 
             release_shm_buffer()  # the buffer of DeepSpeed's CPU accelerator only
     if dist.get_backend() == "gloo":
         from metaseq_ds.distributed import gloo_collectives
-        from metaseq_ds.private_apis import route_deepspeed_collectives
+        from metaseq_ds.private_apis.deepspeed_comm import route_deepspeed_collectives
 
         route_deepspeed_collectives(gloo_collectives.all_gather_into_tensor_in_place,
                                     gloo_collectives.reduce_scatter_tensor_in_place)
     if tensor_parallel_size > 1:
-        from metaseq_ds.private_apis import init_tensor_parallel_groups
+        from metaseq_ds.private_apis.deepspeed_tensor_parallel import init_tensor_parallel_groups
 
         init_tensor_parallel_groups(tensor_parallel_size)
 
@@ -83,10 +83,10 @@ def destroy_process_groups_at_a_clean_exit() -> None:
 
 def release_shm_buffer() -> None:
     """Unlink this rank's DeepSpeed all-reduce buffer from /dev/shm as soon as every rank has
-    mapped it (`private_apis.shm_allreduce_buffer`). The mappings keep the memory usable until the
+    mapped it (`private_apis.deepspeed_comm.shm_allreduce_buffer`). The mappings keep the memory usable until the
     processes exit, and then the kernel frees it: nothing is left behind however the run ends
     (normal exit, usage error, Ctrl-C, kill), where each launch used to leave ~66 MB per rank."""
-    from metaseq_ds.private_apis import shm_allreduce_buffer
+    from metaseq_ds.private_apis.deepspeed_comm import shm_allreduce_buffer
 
     try:
         barrier()  # every rank is past its initialisation, so it has mapped the others' buffers
@@ -108,7 +108,7 @@ def _tp_groups():
         return None
     from deepspeed.utils import groups
 
-    from metaseq_ds.private_apis import tensor_parallel_groups_initialized
+    from metaseq_ds.private_apis.deepspeed_tensor_parallel import tensor_parallel_groups_initialized
 
     return groups if tensor_parallel_groups_initialized() else None
 

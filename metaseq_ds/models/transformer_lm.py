@@ -10,7 +10,7 @@ from typing import Literal, Optional
 
 from metaseq_ds.dataclass import MetaseqDataclass
 from metaseq_ds.dataclass.constraints import DropoutProbability, PositiveFloat, PositiveInt
-from metaseq_ds.models import register_architecture_defaults, register_model
+from metaseq_ds.models.registry import register_architecture_defaults, register_model
 from metaseq_ds.models.base import LanguageModel
 from metaseq_ds.models.initialization import initialization_seed, initialize_parameters
 from metaseq_ds.models.transformer_decoder import TransformerDecoder

@@ -4,7 +4,7 @@
 PyTorch's fp32 CPU matmul calls MKL, whose kernel dispatch favours Intel processors: on this
 project's AMD EPYC it sustains ~170 GFLOP/s where oneDNN (also inside PyTorch, and what
 PyTorch already uses for bf16) reaches ~300-400 at the decoder's shapes. So for fp32 on the
-CPU the forward and both backward products go through oneDNN's linear op (`private_apis.onednn_linear`)
+CPU the forward and both backward products go through oneDNN's linear op (`private_apis.torch_ops.onednn_linear`)
 when there are many rows (training, prompts) or the weight is large (a decoding step through
 the vocabulary projection or a wide FFN, where oneDNN streams the weight from memory ~1.5-3x
 faster than MKL's matrix-vector product); everything else (bf16, CUDA, a few rows through a
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from metaseq_ds.private_apis import onednn_linear
+from metaseq_ds.private_apis.torch_ops import onednn_linear
 
 # Measured on the decoder's shapes (benchmarks/generate.py has the end-to-end figures): from 32
 # rows oneDNN is faster at any size; below, only for weights of 2**20 elements or more, since

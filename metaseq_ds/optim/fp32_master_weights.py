@@ -22,9 +22,9 @@ def share_fp32_master_weights(engine) -> int:
     stage = engine.zero_optimization_stage()
     if stage == 0 or engine.zero_cpu_offload():
         return 0
-    from metaseq_ds import private_apis
+    from metaseq_ds.private_apis import deepspeed_optimizers as zero
 
-    pairs = (private_apis.zero3_flat_partitions if stage == 3 else private_apis.zero12_flat_partitions)(engine.optimizer)
+    pairs = (zero.zero3_flat_partitions if stage == 3 else zero.zero12_flat_partitions)(engine.optimizer)
     freed = 0
     for master, partition in pairs:
         layout = (master.dtype, master.device, master.shape)
@@ -33,5 +33,5 @@ def share_fp32_master_weights(engine) -> int:
             freed += master.untyped_storage().nbytes()
             master.data = partition.data
     if freed and stage < 3:
-        private_apis.relink_zero12_master_fragments(engine.optimizer)
+        zero.relink_zero12_master_fragments(engine.optimizer)
     return freed

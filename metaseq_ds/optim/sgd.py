@@ -8,7 +8,8 @@ from pydantic import Field
 
 from metaseq_ds.dataclass import MetaseqDataclass
 from metaseq_ds.dataclass.constraints import NonNegativeFloat, PositiveFloat
-from metaseq_ds.optim import BaseOptimizer, register_optimizer
+from metaseq_ds.optim.base_optimizer import BaseOptimizer
+from metaseq_ds.optim.registry import register_optimizer
 
 
 @dataclass

@@ -30,10 +30,10 @@ def lean_zero_step(engine, norm_chunk_elements: int = NORM_CHUNK_ELEMENTS) -> bo
     stage = engine.zero_optimization_stage()
     if stage == 0 or engine.zero_cpu_offload():
         return False
-    from metaseq_ds import private_apis
+    from metaseq_ds.private_apis import deepspeed_optimizers as zero
 
-    private_apis.zero_gradient_norms_in_pieces(engine.optimizer, norm_chunk_elements)
+    zero.zero_gradient_norms_in_pieces(engine.optimizer, norm_chunk_elements)
     if stage == 3:
-        private_apis.zero3_step_on_the_gradient_buffer(engine.optimizer)
-        private_apis.zero3_reduce_full_buckets_at_once(engine.optimizer)
+        zero.zero3_step_on_the_gradient_buffer(engine.optimizer)
+        zero.zero3_reduce_full_buckets_at_once(engine.optimizer)
     return True

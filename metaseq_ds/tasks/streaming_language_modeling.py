@@ -40,7 +40,8 @@ from metaseq_ds.data.token_store import TokenStore, open_store, store_root
 from metaseq_ds.dataclass import MetaseqDataclass
 from metaseq_ds.dataclass.constraints import PositiveInt, Seed
 from metaseq_ds.errors import UsageError
-from metaseq_ds.tasks import LegacyTask, register_task
+from metaseq_ds.tasks.base_task import LegacyTask
+from metaseq_ds.tasks.registry import register_task
 
 logger = logging.getLogger(__name__)
 

@@ -8,27 +8,18 @@ Plugins register their own with `@register_lr_scheduler("name", dataclass=Config
 """
 
 from metaseq_ds.optim.lr_scheduler.base_lr_scheduler import BaseLRScheduler
-from metaseq_ds.registry import Registry
+from metaseq_ds.optim.lr_scheduler.registry import LR_SCHEDULER_REGISTRY, build_lr_scheduler, register_lr_scheduler
 
-LR_SCHEDULER_REGISTRY = Registry("lr_scheduler", "--lr-scheduler", base=BaseLRScheduler)
-register_lr_scheduler = LR_SCHEDULER_REGISTRY.register
-
-
-def build_lr_scheduler(lr_scheduler_cfg, optimizer) -> BaseLRScheduler:
-    """Build the schedule named by `lr_scheduler_cfg._name`, driving `optimizer` (a BaseOptimizer)."""
-    return LR_SCHEDULER_REGISTRY.get(lr_scheduler_cfg._name).cls(lr_scheduler_cfg, optimizer)
-
-
-# Built-ins register on import (after the registry exists, which they import).
-from metaseq_ds.optim.lr_scheduler.cosine_lr_scheduler import (  # noqa: E402
+# Built-ins register on import.
+from metaseq_ds.optim.lr_scheduler.cosine_lr_scheduler import (
     CosineLRSchedule,
     CosineLRScheduleConfig,
 )
-from metaseq_ds.optim.lr_scheduler.inverse_square_root_schedule import (  # noqa: E402
+from metaseq_ds.optim.lr_scheduler.inverse_square_root_schedule import (
     InverseSquareRootLRScheduleConfig,
     InverseSquareRootSchedule,
 )
-from metaseq_ds.optim.lr_scheduler.polynomial_decay_schedule import (  # noqa: E402
+from metaseq_ds.optim.lr_scheduler.polynomial_decay_schedule import (
     PolynomialDecayLRSchedule,
     PolynomialDecayLRScheduleConfig,
 )

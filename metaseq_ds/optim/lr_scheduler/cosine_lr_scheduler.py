@@ -12,7 +12,8 @@ from pydantic import Field
 
 from metaseq_ds.dataclass import MetaseqDataclass
 from metaseq_ds.dataclass.constraints import NonNegativeFloat, NonNegativeInt, PositiveFloat
-from metaseq_ds.optim.lr_scheduler import BaseLRScheduler, register_lr_scheduler
+from metaseq_ds.optim.lr_scheduler.base_lr_scheduler import BaseLRScheduler
+from metaseq_ds.optim.lr_scheduler.registry import register_lr_scheduler
 
 
 @dataclass

@@ -2,8 +2,8 @@
 
 import pytest
 
-from metaseq_ds import checkpoint_utils
-from metaseq_ds.checkpoint_utils import CheckpointRef, find_checkpoint, mark_last, remove_old_checkpoints, write_meta
+from metaseq_ds.checkpoint import files
+from metaseq_ds.checkpoint.files import CheckpointRef, find_checkpoint, mark_last, remove_old_checkpoints, write_meta
 from metaseq_ds.errors import UsageError
 
 
@@ -51,10 +51,10 @@ def test_unreadable_meta_is_a_usage_error(tmp_path):
 def test_another_architecture_is_refused_naming_the_difference(tmp_path):
     meta = {"config": {"arch": "opt_125m", "model": {"decoder_layers": 12, "dropout": 0.1}}}
     with pytest.raises(UsageError, match="--arch opt_125m"):
-        checkpoint_utils.check_compatible(meta, "opt_350m", {"decoder_layers": 12, "dropout": 0.1}, tmp_path)
+        files.check_compatible(meta, "opt_350m", {"decoder_layers": 12, "dropout": 0.1}, tmp_path)
     with pytest.raises(UsageError, match="decoder_layers=12 \\(now 2\\)"):
-        checkpoint_utils.check_compatible(meta, "opt_125m", {"decoder_layers": 2, "dropout": 0.1}, tmp_path)
-    checkpoint_utils.check_compatible(meta, "opt_125m", {"decoder_layers": 12, "dropout": 0.0}, tmp_path)
+        files.check_compatible(meta, "opt_125m", {"decoder_layers": 2, "dropout": 0.1}, tmp_path)
+    files.check_compatible(meta, "opt_125m", {"decoder_layers": 12, "dropout": 0.0}, tmp_path)
 
 
 def _resident_kib() -> int:
@@ -65,7 +65,7 @@ def _resident_kib() -> int:
 def test_weights_read_from_a_mapped_checkpoint_own_their_memory_and_leave_no_pages_behind(tmp_path):
     import torch
 
-    from metaseq_ds.checkpoint_utils import CheckpointValues, file_mapped
+    from metaseq_ds.checkpoint.values import CheckpointValues, file_mapped
 
     generator = torch.Generator().manual_seed(0)
     weights = {"row_parallel": torch.randn(2048, 2048, generator=generator),  # 16 MiB each

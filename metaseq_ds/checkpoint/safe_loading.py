@@ -7,7 +7,7 @@ read them once those few classes are allow-listed; anything else in a file is re
 
 import torch
 
-from metaseq_ds.private_apis import checkpoint_file_classes, replace_checkpoint_loader
+from metaseq_ds.private_apis.deepspeed_checkpoints import checkpoint_file_classes, replace_checkpoint_loader
 
 
 def safe_load(path, map_location=None, mmap: bool = False):

@@ -6,10 +6,10 @@ per parameter and consolidated, read from any saved layout and set on an engine 
 
 One path for every pair of layouts. Reading, chosen by what the checkpoint's meta file says:
 - ZeRO-1/2/3: each tensor-parallel rank's flat partitions, consolidated by DeepSpeed's own
-  zero_to_fp32 workers, the moments the same way (`private_apis.zero_checkpoint_values`);
+  zero_to_fp32 workers, the moments the same way (`private_apis.deepspeed_checkpoints`);
 - ZeRO-0: the torch optimizer's state dict in each tensor-parallel rank's model-states file, with
   the weights (fp32) or the fp32 copies of DeepSpeed's fp16/bf16 optimizer as master weights;
-- a consolidated checkpoint (`mseq reshard`, `reshard.py`): its safetensors files;
+- a consolidated checkpoint (`mseq reshard`, `checkpoint.reshard`): its safetensors files;
 then the parts of a tensor-parallel save are joined on our partition dimensions (`LazyConcat`).
 Setting, after the weights were materialised from the same checkpoint: the base torch optimizer's
 state is created as its first step would create it (the step, moments of zeros), then each
@@ -36,6 +36,8 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
+from metaseq_ds.checkpoint.read import LazyConcat, consolidated_values
+from metaseq_ds.checkpoint.safe_loading import safe_load
 from metaseq_ds.errors import UsageError
 
 logger = logging.getLogger(__name__)
@@ -66,15 +68,11 @@ class SavedOptimizerState:
 
 
 def read_optimizer_state(ref) -> Optional[SavedOptimizerState]:
-    """The optimizer state of the checkpoint at `ref` (a `checkpoint_utils.CheckpointRef`), or
+    """The optimizer state of the checkpoint at `ref` (a `checkpoint.files.CheckpointRef`), or
     None where it holds none (a save of weights alone)."""
-    from metaseq_ds import checkpoint_utils
-
     meta = ref.meta()
     if meta.get("consolidated"):
-        from metaseq_ds.reshard import read_consolidated_state
-
-        return read_consolidated_state(ref)
+        return SavedOptimizerState(lambda key: consolidated_values(ref, key), meta["optimizer_step"], str(ref.path))
     size = meta.get("tensor_parallel_size", 1)
     stage = meta["zero_stage"]
     if stage == 0:
@@ -86,12 +84,12 @@ def read_optimizer_state(ref) -> Optional[SavedOptimizerState]:
         def part_values(key, tp_rank):
             return parts[tp_rank][0][key]
     else:
-        from metaseq_ds.private_apis import zero_checkpoint_step, zero_checkpoint_values
+        from metaseq_ds.private_apis.deepspeed_checkpoints import zero_checkpoint_step, zero_checkpoint_values
 
-        step = zero_checkpoint_step(str(ref.path), 0)
+        step = zero_checkpoint_step(str(ref.path), 0, safe_load)
 
         def part_values(key, tp_rank):
-            return zero_checkpoint_values(str(ref.path), tp_rank, key)
+            return zero_checkpoint_values(str(ref.path), tp_rank, key, safe_load)
 
     def read(key: str) -> Dict[str, Any]:
         parts = [part_values(key, tp_rank) for tp_rank in range(size)]
@@ -99,7 +97,7 @@ def read_optimizer_state(ref) -> Optional[SavedOptimizerState]:
             return parts[0]
         from metaseq_ds.distributed.tensor_parallel import merge_shards
 
-        return merge_shards(parts, meta["partition_dims"], concat=checkpoint_utils.LazyConcat)
+        return merge_shards(parts, meta["partition_dims"], concat=LazyConcat)
 
     return SavedOptimizerState(read, step, str(ref.path))
 
@@ -111,8 +109,6 @@ def _zero0_part(ref, tp_rank: int):
     In fp32 the file's "optimizer" is the torch optimizer's state dict and the weights are the
     masters; in fp16/bf16 it is DeepSpeed's unfused optimizer's: the torch state dict under
     "optimizer_state_dict" and one fp32 master per parameter, in the same order, in "fp32_groups"."""
-    from metaseq_ds.distributed.safe_checkpoint_loading import safe_load
-
     states = safe_load(ref.path / f"mp_rank_{tp_rank:02d}_model_states.pt", map_location="cpu", mmap=True)
     optimizer = states.get("optimizer") or {}
     copies = [master for group in optimizer.get("fp32_groups", ()) for master in group]
@@ -138,7 +134,7 @@ def _zero0_part(ref, tp_rank: int):
         values[moment] = {name: state[indices[position]][moment] for name, position in names.items()}
     step = int(state[indices[0]]["step"])
     if copies:
-        from metaseq_ds.private_apis import unfused_optimizer_construction_steps
+        from metaseq_ds.private_apis.deepspeed_optimizers import unfused_optimizer_construction_steps
 
         step -= unfused_optimizer_construction_steps()  # Adam's steps on real gradients
     return values, step
@@ -151,7 +147,7 @@ def restore_optimizer_state(trainer, saved: SavedOptimizerState) -> bool:
 
     from metaseq_ds.distributed import utils as dist_utils
     from metaseq_ds.distributed.tensor_parallel import partition_dim
-    from metaseq_ds.private_apis import (
+    from metaseq_ds.private_apis.deepspeed_optimizers import (
         link_optimizer_state_fragments,
         unfused_fp32_masters,
         unfused_optimizer_construction_steps,

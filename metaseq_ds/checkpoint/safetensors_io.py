@@ -1,18 +1,25 @@
-"""Write `.safetensors` files one tensor at a time, with an index when they are sharded.
+"""Safetensors (and torch) weight files one tensor at a time: read lazily, written streamed.
 
-`safetensors.torch.save_file` wants every tensor in memory at once; a model export must
+Reading: `read_weight_file` maps each name to a tensor read only by `.contiguous()`
+(`SafetensorsTensor`; `.bin`/`.pt` files are memory-mapped), so a caller converting tensor by
+tensor never holds two copies of a model.
+
+Writing: `safetensors.torch.save_file` wants every tensor in memory at once; a model export must
 not hold two copies of the model, so the header is computed from shapes first and each
-tensor is produced, written and dropped in turn. The format: 8-byte little-endian header
-length, a JSON header (name -> dtype, shape, byte offsets), then the raw bytes.
+tensor is produced, written and dropped in turn (`write_file`; `write_model` shards with an
+index, as Hugging Face folders are). The format: 8-byte little-endian header length, a JSON
+header (name -> dtype, shape, byte offsets), then the raw bytes.
 """
 
 import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Sequence
 
 import torch
+
+from metaseq_ds.errors import UsageError
 
 DTYPE_CODES = {
     torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
@@ -107,3 +114,37 @@ def write_model(folder: Path, tensors: List[PendingTensor], max_shard_bytes: int
     index_data = {"metadata": {"total_size": sum(t.nbytes for t in tensors)}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index_data, indent=2) + "\n")
     return paths
+
+
+def read_weight_file(path: Path) -> Dict[str, Any]:
+    """Every tensor of a `.safetensors`, `.bin` or `.pt` file, each read when it is used."""
+    if not path.is_file():
+        raise UsageError(f"{path}: listed in the index but missing")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            handle = safe_open(str(path), framework="pt")
+            return {key: SafetensorsTensor(path, handle, key) for key in handle.keys()}
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as error:  # safetensors and torch raise many types for a damaged file
+        raise _unreadable(path, error) from None
+
+
+def _unreadable(path: Path, error: Exception) -> UsageError:
+    first = (str(error).splitlines() or [type(error).__name__])[0]
+    return UsageError(f"{path}: cannot read (truncated or damaged file?): {first}")
+
+
+class SafetensorsTensor:
+    """One tensor of a safetensors file, read only when `.contiguous()` is called."""
+
+    def __init__(self, path: Path, handle, key: str):
+        self.path, self.handle, self.key = path, handle, key
+        self.shape = torch.Size(handle.get_slice(key).get_shape())
+
+    def contiguous(self) -> torch.Tensor:
+        try:
+            return self.handle.get_tensor(self.key)
+        except Exception as error:  # a file cut short fails only when its data is read
+            raise _unreadable(self.path, error) from None

@@ -14,82 +14,39 @@ A `ResumePlan` is one of:
 - EXACT: a checkpoint of this run's layout: DeepSpeed reloads its own state, optimizer included;
 - RESHARD: a checkpoint of another layout (rank count, ZeRO stage, tensor-parallel degree,
   precision), or a consolidated one (`mseq reshard`): the weights, the fp32 master weights, Adam's
-  moments and step (`optimizer_state`), the update count, LR schedule, meters and the data
+  moments and step (`checkpoint.optimizer_state`), the update count, LR schedule, meters and the data
   position, so the next updates are those of an unbroken run on the new layout;
-- WEIGHTS: weights without training state (`mseq import` output, `--restore-file hf:DIR`):
-  update 0, fresh optimizer and data order.
+- WEIGHTS: weights without training state (`mseq import` output, or `--restore-file FORMAT:DIR`
+  for a format the caller hands in, `hf:DIR` under `mseq train`): update 0, fresh optimizer and
+  data order.
 
-The files themselves (layout, meta file, consolidation of shards) are `checkpoint_utils`'; the
-trainer's own state is `Trainer.state_dict()`.
+The files themselves are `checkpoint.files`' (layout, meta file) and `checkpoint.read`'s
+(consolidation of shards); the trainer's own state is `Trainer.state_dict()`.
 """
 
 import enum
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
 
 import torch
 
-from metaseq_ds import checkpoint_utils
+from metaseq_ds.checkpoint import files
+from metaseq_ds.checkpoint.layout import Layout
+from metaseq_ds.checkpoint.optimizer_state import read_optimizer_state, restore_optimizer_state
+from metaseq_ds.checkpoint.read import lazy_model_weights, saved_client_state
+from metaseq_ds.checkpoint.values import CheckpointValues
 from metaseq_ds.errors import UsageError
-from metaseq_ds.options import RunContext, resolve
+from metaseq_ds.options import RunContext, flag, resolve
 
 logger = logging.getLogger(__name__)
 
-HF_PREFIX = "hf:"
-DEFAULT_RESTORE_FILE = checkpoint_utils.LAST
+DEFAULT_RESTORE_FILE = files.LAST
+# Reads a folder of another format: (our model fields, our state dict of lazily read tensors).
+ForeignReader = Callable[[Path], Tuple[Dict[str, Any], Dict[str, Any]]]
 # Model fields that may differ between a checkpoint and the run that starts from it.
 TRAINING_ONLY_MODEL_FIELDS = ("dropout", "attention_dropout", "activation_dropout", "init_std")
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How a run's (or a checkpoint's) model and optimizer are split over ranks."""
-
-    world_size: int
-    zero_stage: int
-    tensor_parallel_size: int
-    precision: str = "fp32"  # "fp32", "bf16" or "fp16": the parameters' dtype (master weights are fp32)
-    # ZeRO-1/2: the most parameters an optimizer group holds (0: one group), which DeepSpeed's
-    # files are cut by (`deepspeed_config.optimizer_group_limit`); saves before it: one group.
-    optimizer_group_limit: int = 0
-
-    @classmethod
-    def of_run(cls, cfg, world_size: int) -> "Layout":
-        from metaseq_ds.distributed.deepspeed_config import build_deepspeed_config, optimizer_group_limit, training_precision
-        from metaseq_ds.distributed.tensor_parallel import tensor_parallel_size
-
-        import deepspeed
-
-        ds_config = build_deepspeed_config(cfg, world_size, fp16_supported=deepspeed.get_accelerator().is_fp16_supported())
-        return cls(world_size, ds_config["zero_optimization"]["stage"], tensor_parallel_size(cfg), training_precision(ds_config),
-                   optimizer_group_limit(ds_config, cfg.model))
-
-    @classmethod
-    def of_checkpoint(cls, meta: Dict[str, Any]) -> "Layout":
-        common = meta["config"].get("common", {})
-        # Saves before the precision was recorded: the flags (fp16 fell back to bf16 on a CPU).
-        precision = meta.get("precision") or ("bf16" if common.get("bf16") or common.get("fp16") else "fp32")
-        return cls(meta["world_size"], meta["zero_stage"], meta.get("tensor_parallel_size", 1), precision,
-                   meta.get("optimizer_group_limit", 0))
-
-    @property
-    def data_parallel_size(self) -> int:
-        return self.world_size // self.tensor_parallel_size
-
-    def same_state_as(self, other: "Layout") -> bool:
-        """Whether DeepSpeed's own files of one layout load into the other as they are
-        (ZeRO-0 keeps whole copies, so any rank count of it loads the same files)."""
-        if (self.tensor_parallel_size, self.precision) != (other.tensor_parallel_size, other.precision):
-            return False
-        return self == other or self.zero_stage == other.zero_stage == 0
-
-    def __str__(self) -> str:
-        tp = f" (tensor-parallel {self.tensor_parallel_size})" if self.tensor_parallel_size > 1 else ""
-        precision = f" in {self.precision}" if self.precision != "fp32" else ""
-        groups = f", optimizer groups of at most {self.optimizer_group_limit:,} parameters" if self.optimizer_group_limit else ""
-        return f"{self.world_size} rank(s){tp} with ZeRO-{self.zero_stage}{precision}{groups}"
 
 
 class ResumeKind(enum.Enum):
@@ -105,7 +62,7 @@ class ResumePlan:
 
     kind: ResumeKind
     source: str = ""
-    ref: Optional[checkpoint_utils.CheckpointRef] = None
+    ref: Optional[files.CheckpointRef] = None
     meta: Dict[str, Any] = field(default_factory=dict)
     # WEIGHTS and RESHARD: the weights, each read (lazily) when the model's parameters are made.
     read_weights: Optional[Callable[[], Dict[str, Any]]] = None
@@ -121,9 +78,13 @@ class ResumePlan:
 
 
 class CheckpointManager:
-    def __init__(self, cfg, layout: Layout):
+    """`foreign_formats`: the readers of `--restore-file NAME:DIR` by NAME (`mseq train` hands in
+    `{"hf": convert.hf_import.read_hf_model}`: conversion depends on checkpoints, not the reverse)."""
+
+    def __init__(self, cfg, layout: Layout, foreign_formats: Mapping[str, ForeignReader] = {}):
         self.cfg = cfg
         self.layout = layout
+        self.foreign_formats = dict(foreign_formats)
         self.save_dir = Path(cfg.checkpoint.save_dir)
         self.saved_update: Optional[int] = None  # the update of the last save (or resume) of this run
 
@@ -132,11 +93,12 @@ class CheckpointManager:
     def plan(self) -> ResumePlan:
         """What this run resumes from, checked against its flags before any model is built."""
         ckpt = self.cfg.checkpoint
-        if ckpt.restore_file.startswith(HF_PREFIX):
-            return self._hf_plan(Path(ckpt.restore_file[len(HF_PREFIX):]))
+        format_name, _, folder = ckpt.restore_file.partition(":")
+        if folder and format_name in self.foreign_formats:
+            return self._foreign_plan(format_name, Path(folder))
         if ckpt.no_save and ckpt.restore_file == DEFAULT_RESTORE_FILE:
             return ResumePlan(ResumeKind.FRESH)  # a --no-save run never reads --save-dir's state
-        ref = checkpoint_utils.find_checkpoint(ckpt.restore_file, ckpt.save_dir)
+        ref = files.find_checkpoint(ckpt.restore_file, ckpt.save_dir)
         if ref is None:
             if ckpt.restore_file != DEFAULT_RESTORE_FILE:
                 raise UsageError(f"--restore-file: no checkpoint at {ckpt.restore_file}")
@@ -144,7 +106,7 @@ class CheckpointManager:
         meta = ref.meta()
         # An imported checkpoint names no --arch of ours (its sizes are explicit): compare the model only.
         arch = meta["config"].get("arch") if meta.get("weights_only") else self.cfg.arch
-        checkpoint_utils.check_compatible(meta, arch, self.cfg.to_dict()["model"], ref.save_dir)
+        files.check_compatible(meta, arch, self.cfg.to_dict()["model"], ref.save_dir)
         read = _reader(ref)
         if meta.get("weights_only"):
             return ResumePlan(ResumeKind.WEIGHTS, str(ref.path), ref, meta, read_weights=read)
@@ -160,12 +122,10 @@ class CheckpointManager:
             self._data_position(plan)  # a position this layout cannot continue from stops here
         return plan
 
-    def _hf_plan(self, folder: Path) -> ResumePlan:
-        """`--restore-file hf:DIR`: the OPT folder's weights, checked against this run's model flags."""
-        from metaseq_ds.convert.hf_import import read_hf_model
-        from metaseq_ds.options import flag
-
-        fields, state_dict = read_hf_model(folder)
+    def _foreign_plan(self, format_name: str, folder: Path) -> ResumePlan:
+        """`--restore-file hf:DIR` (or another registered format): the folder's weights, checked
+        against this run's model flags."""
+        fields, state_dict = self.foreign_formats[format_name](folder)
         for name, value in fields.items():
             ours = getattr(self.cfg.model, name)
             if name in TRAINING_ONLY_MODEL_FIELDS or ours == value:
@@ -174,8 +134,8 @@ class CheckpointManager:
                 hint = flag(name) if value else f"no {flag(name)}"
             else:
                 hint = f"{flag(name)} {value}" if value is not None else f"no {flag(name)}"
-            raise UsageError(f"--restore-file hf:{folder}: the model has {name}={value!r}, this run {ours!r} (use {hint})")
-        return ResumePlan(ResumeKind.WEIGHTS, f"hf:{folder}", read_weights=lambda: state_dict)
+            raise UsageError(f"--restore-file {format_name}:{folder}: the model has {name}={value!r}, this run {ours!r} (use {hint})")
+        return ResumePlan(ResumeKind.WEIGHTS, f"{format_name}:{folder}", read_weights=lambda: state_dict)
 
     def resolve_config(self, plan: ResumePlan):
         """The run's config with what the plan's checkpoint settles (`options.resolve`): the
@@ -195,7 +155,7 @@ class CheckpointManager:
         initial = InitialValues(model, model.init_seed) if model.init_seed is not None else None
         if plan.read_weights is None:
             return initial
-        return checkpoint_utils.CheckpointValues(plan.read_weights(), f"--restore-file {plan.source}", initial)
+        return CheckpointValues(plan.read_weights(), f"--restore-file {plan.source}", initial)
 
     def restore(self, plan: ResumePlan, trainer, epoch_itr) -> None:
         """The training state the plan carries, into the engine, the trainer and the data iterator."""
@@ -240,8 +200,6 @@ class CheckpointManager:
         return {"epoch": saved["epoch"], "iterations_in_epoch": samples // global_batch}
 
     def _restore_resharded(self, plan: ResumePlan, trainer, epoch_itr) -> None:
-        from metaseq_ds.optimizer_state import read_optimizer_state, restore_optimizer_state
-
         trainer.load_state_dict(plan.client_state)
         if not self.cfg.checkpoint.reset_dataloader:
             epoch_itr.load_state_dict(self._data_position(plan))
@@ -266,42 +224,29 @@ class CheckpointManager:
         if self.cfg.checkpoint.no_save:
             return
         self.save_dir.mkdir(parents=True, exist_ok=True)
-        ref = checkpoint_utils.CheckpointRef(self.save_dir, checkpoint_utils.tag_for(epoch_itr.epoch, trainer.num_updates))
+        ref = files.CheckpointRef(self.save_dir, files.tag_for(epoch_itr.epoch, trainer.num_updates))
         client_state = {**trainer.state_dict(), "iterator": epoch_itr.state_dict()}
         trainer.engine.save_checkpoint(str(self.save_dir), tag=ref.tag, client_state=client_state, save_latest=False)
         dist_utils.barrier()  # every rank's shards are on disk before the save counts
         if dist_utils.is_master():
-            checkpoint_utils.write_meta(ref, {
+            files.write_meta(ref, {
                 "config": self.cfg.to_dict(), "num_updates": trainer.num_updates, "epoch": epoch_itr.epoch,
                 "world_size": self.layout.world_size, "zero_stage": trainer.zero_stage, "precision": self.layout.precision,
                 "optimizer_group_limit": self.layout.optimizer_group_limit,
-                **checkpoint_utils.tensor_parallel_meta(trainer.engine.module, self.layout.tensor_parallel_size),
+                **files.tensor_parallel_meta(trainer.engine.module, self.layout.tensor_parallel_size),
             })
-            checkpoint_utils.mark_last(ref)
-            checkpoint_utils.remove_old_checkpoints(self.save_dir, self.cfg.checkpoint.keep_last_updates, ref.tag)
+            files.mark_last(ref)
+            files.remove_old_checkpoints(self.save_dir, self.cfg.checkpoint.keep_last_updates, ref.tag)
             logger.info(f"saved checkpoint {ref.path} (update {trainer.num_updates})")
         dist_utils.barrier()
         self.saved_update = trainer.num_updates
 
     def save_at_end(self, trainer, epoch_itr) -> None:
         """The final save, unless this update is saved already in --save-dir."""
-        if self.saved_update == trainer.num_updates and (self.save_dir / checkpoint_utils.LAST).is_file():
+        if self.saved_update == trainer.num_updates and (self.save_dir / files.LAST).is_file():
             return
         self.save(trainer, epoch_itr)
 
 
-def _reader(ref: checkpoint_utils.CheckpointRef) -> Callable[[], Dict[str, Any]]:
-    return lambda: checkpoint_utils.lazy_model_weights(ref)
-
-
-def saved_client_state(ref: checkpoint_utils.CheckpointRef, saved: Layout, meta: Dict[str, Any]) -> Dict[str, Any]:
-    """The trainer state and data position a save holds (rank 0's copy: every rank saved the same)."""
-    from metaseq_ds.distributed.safe_checkpoint_loading import safe_load
-
-    if meta.get("consolidated"):
-        from metaseq_ds.reshard import CLIENT_STATE
-
-        return safe_load(ref.path / CLIENT_STATE, map_location="cpu")
-    states_file = "zero_pp_rank_0_mp_rank_00_model_states.pt" if saved.zero_stage == 3 else "mp_rank_00_model_states.pt"
-    states = safe_load(ref.path / states_file, map_location="cpu", mmap=True)
-    return {key: states[key] for key in ("num_updates", "lr_scheduler", "metrics", "rng", "iterator")}
+def _reader(ref: files.CheckpointRef) -> Callable[[], Dict[str, Any]]:
+    return lambda: lazy_model_weights(ref)

@@ -4,7 +4,7 @@ checkpoint of any layout, consolidated for a run on another, before the job star
     reshard("runs/a", "runs/a-1gpu", ranks=1, tensor_parallel_size=1)
     mseq train ... --restore-file runs/a-1gpu       # or --save-dir runs/a-1gpu
 
-OUT holds one layout-free checkpoint, read by `mseq train` (`optimizer_state`), `validate`,
+OUT holds one layout-free checkpoint, read by `mseq train` (`checkpoint.optimizer_state`), `validate`,
 `generate` and `export` like any other:
 
     OUT/checkpoint_<epoch>_<updates>/fp32.safetensors         every parameter's fp32 master weight, whole
@@ -23,7 +23,7 @@ layout reads its part from (memory-mapped, one parameter at a time), so the targ
 here is checked (heads and FFN divide T, T divides N) and recorded, not baked into the files.
 
 Memory: the source is memory-mapped and each value is produced, written and dropped in turn
-(`convert.safetensors_stream`); OUT appears only once complete (`convert.output_dir`).
+(`checkpoint.safetensors_io`); OUT appears only once complete (`checkpoint.staged_output`).
 """
 
 import logging
@@ -37,8 +37,6 @@ from metaseq_ds.dataclass.constraints import PositiveInt
 from metaseq_ds.errors import UsageError
 
 logger = logging.getLogger(__name__)
-
-CLIENT_STATE = "client_state.pt"
 
 
 @dataclass(frozen=True)
@@ -66,15 +64,16 @@ def reshard(checkpoint: str, out: str, ranks: int, tensor_parallel_size: int, ze
     TargetLayout(ranks, tensor_parallel_size, zero_stage).validate()  # before anything is read
     import torch
 
-    from metaseq_ds import checkpoint_utils
-    from metaseq_ds.checkpoint_manager import Layout, saved_client_state
-    from metaseq_ds.convert.output_dir import check_free, staged_output
-    from metaseq_ds.convert.safetensors_stream import PendingTensor, write_file
+    from metaseq_ds.checkpoint import files
+    from metaseq_ds.checkpoint.layout import Layout
+    from metaseq_ds.checkpoint.optimizer_state import KEYS, read_optimizer_state
+    from metaseq_ds.checkpoint.read import saved_client_state
+    from metaseq_ds.checkpoint.safetensors_io import PendingTensor, write_file
+    from metaseq_ds.checkpoint.staged_output import check_free, staged_output
     from metaseq_ds.distributed.tensor_parallel import check_divisible
-    from metaseq_ds.optimizer_state import KEYS, read_optimizer_state
     from metaseq_ds.options import config_from_dict
 
-    ref = checkpoint_utils.find_checkpoint(checkpoint)
+    ref = files.find_checkpoint(checkpoint)
     if ref is None:
         raise UsageError(f"CKPT {checkpoint} is not a checkpoint (expected a save dir with checkpoint_last, or a checkpoint_* dir)")
     meta = ref.meta()
@@ -94,21 +93,21 @@ def reshard(checkpoint: str, out: str, ranks: int, tensor_parallel_size: int, ze
 
     names, tied = _unique_names(state.values("exp_avg"))  # parameters only, as the optimizer holds them
     with staged_output(Path(out)) as staging:
-        target_ref = checkpoint_utils.CheckpointRef(staging, ref.tag)
+        target_ref = files.CheckpointRef(staging, ref.tag)
         target_ref.path.mkdir()
         for key in KEYS:
             values = state.values(key)
             pending = [PendingTensor(name, tuple(values[name].shape), torch.float32,
                                      lambda value=values[name]: value.contiguous().float()) for name in names]
-            write_file(target_ref.path / f"{key}.safetensors", pending, {"format": "pt"})
-        torch.save(client_state, target_ref.path / CLIENT_STATE)
+            write_file(files.consolidated_file(target_ref, key), pending, {"format": "pt"})
+        torch.save(client_state, target_ref.path / files.CLIENT_STATE)
         # The layout fields stay the saving run's ("saved by", and the unit of its data position).
-        checkpoint_utils.write_meta(target_ref, {
+        files.write_meta(target_ref, {
             **meta, "consolidated": True, "optimizer_step": state.step, "tied": tied, "resharded_from": str(ref.path),
             "target_layout": {"world_size": target.world_size, "zero_stage": target.zero_stage,
                               "tensor_parallel_size": target.tensor_parallel_size},
         })
-        checkpoint_utils.mark_last(target_ref)
+        files.mark_last(target_ref)
     logger.info(f"resharded {ref.path} (saved by {saved}) for {target}: {len(names)} parameters, Adam step {state.step}")
     return Path(out) / ref.tag
 
@@ -124,20 +123,3 @@ def _unique_names(values: Dict[str, Any]):
             first[id(value)] = name
             names.append(name)
     return names, tied
-
-
-def consolidated_values(ref, key: str) -> Dict[str, Any]:
-    """One file of a consolidated checkpoint: name -> lazily read tensor, tied names included."""
-    from metaseq_ds.convert.hf_import import read_weight_file
-
-    values = read_weight_file(ref.path / f"{key}.safetensors")
-    for alias, name in ref.meta()["tied"].items():
-        values[alias] = values[name]
-    return values
-
-
-def read_consolidated_state(ref):
-    """The `optimizer_state.SavedOptimizerState` of a consolidated checkpoint."""
-    from metaseq_ds.optimizer_state import SavedOptimizerState
-
-    return SavedOptimizerState(lambda key: consolidated_values(ref, key), ref.meta()["optimizer_step"], str(ref.path))

@@ -1,0 +1,32 @@
+"""torch's private operators and tables (torch 2.13)."""
+
+from typing import Any, Dict
+
+from metaseq_ds.private_apis.verified import relies_on
+
+
+@relies_on("torch", "torch.ops.mkldnn._linear_pointwise",
+           written_for="2.13", cuda=False,
+           why="oneDNN's linear, what inductor lowers nn.Linear to on the CPU, beats F.linear's CPU path "
+               "(modules.linear); CPU tensors only: a public fused CPU linear would let it go",
+           test="tests/test_private_apis.py::test_onednn_linear_equals_f_linear_for_plain_and_transposed_weights")
+def onednn_linear(x, weight, bias=None):
+    """x @ weight.T (+ bias) on oneDNN, for fp32 CPU tensors; either operand may be a transposed
+    view. `torch.ops.mkldnn._linear_pointwise` is the op torch's own inductor lowers linear layers
+    to on the CPU; it is not public API."""
+    import torch
+
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@relies_on("torch", "torch._weights_only_unpickler._get_allowed_globals",
+           written_for="2.13", cuda=True,
+           why="the restricted unpickler of old fairseq/metaseq .pt files starts from torch's own weights-only "
+               "allow-list, which has no public getter",
+           test="tests/test_private_apis.py::test_weights_only_allowed_globals_holds_torchs_tensor_rebuilders")
+def weights_only_allowed_globals() -> Dict[str, Any]:
+    """The classes and functions `torch.load(weights_only=True)` accepts, by qualified name (its
+    tensor rebuild functions among them): the base of our restricted unpickler."""
+    from torch import _weights_only_unpickler
+
+    return dict(_weights_only_unpickler._get_allowed_globals())
