@@ -53,8 +53,9 @@ def fix_mmap_threshold() -> None:
 
 @relies_on("glibc", "malloc_trim(0) returning the heap's free pages", written_for="2.36", cuda=False,
            private=False, test="tests/test_host_memory.py::test_release_freed_heap_gives_free_heap_pages_back",
-           why="a step's transients leave free holes in glibc's heap that stay resident; CPU ranks only (GPU "
-               "tensors live in the caching allocator)")
+           why="a step's transients leave free holes in glibc's heap that stay resident (malloc_trim, as suggested in"
+               " https://github.com/pytorch/pytorch/issues/41486); CPU ranks only (GPU tensors live in the caching "
+               "allocator)")
 def release_freed_heap(device) -> bool:
     """Give the heap's free pages back to the system, on a rank whose tensors are on the CPU
     (`device`); whether it did. A GPU rank's heap holds no step's tensors: nothing to do."""

@@ -48,8 +48,9 @@ class _Works:
 
 @relies_on("torch", "gloo's all_gather_into_tensor (a second copy of the data)", written_for="2.13", cuda=False, private=False,
            test="tests/test_gloo_collectives.py::test_in_place_gloo_collectives_equal_torchs_and_deepspeed_reaches_them",
-           why="gloo gathers into a new flat tensor, then copies it into the output: every ZeRO-3 parameter gather "
-               "held its result twice (781 MB for the 707M model's 390 MB embedding); gloo only: NCCL works in place")
+           why="gloo gathers into a new flat tensor, then copies it into the output "
+               "(https://github.com/pytorch/pytorch/issues/29033): every ZeRO-3 parameter gather held its result "
+               "twice (781 MB for the 707M model's 390 MB embedding); gloo only: NCCL works in place")
 def all_gather_into_tensor_in_place(output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                                     group: Optional[dist.ProcessGroup] = None,
                                     async_op: bool = False) -> Optional[_Works]:
@@ -68,8 +69,9 @@ def all_gather_into_tensor_in_place(output_tensor: torch.Tensor, input_tensor: t
 
 @relies_on("torch", "gloo's reduce_scatter_tensor (a second copy of the data)", written_for="2.13", cuda=False, private=False,
            test="tests/test_gloo_collectives.py::test_in_place_gloo_collectives_equal_torchs_and_deepspeed_reaches_them",
-           why="gloo allocates a tensor of the input's size: every ZeRO-3 gradient reduce-scatter held its input "
-               "twice (three copies of a 33 MB FFN gradient at 707M); gloo only: NCCL works in place")
+           why="gloo's reduce-scatter clones its input, then all-reduces "
+               "(https://github.com/pytorch/pytorch/pull/118911): every ZeRO-3 gradient reduce-scatter held its input"
+               " twice (three copies of a 33 MB FFN gradient at 707M); gloo only: NCCL works in place")
 def reduce_scatter_tensor_in_place(output_tensor: torch.Tensor, input_tensor: torch.Tensor,
                                    op=dist.ReduceOp.SUM, group: Optional[dist.ProcessGroup] = None,
                                    async_op: bool = False):

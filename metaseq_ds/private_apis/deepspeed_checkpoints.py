@@ -8,8 +8,9 @@ from metaseq_ds.private_apis.verified import relies_on
 
 @relies_on("deepspeed", "zero_to_fp32._get_fp32_state_dict_from_zero{2,3}_checkpoint",
            written_for="0.19", cuda=True,
-           why="zero_to_fp32's public entry point refuses a save of several tensor-parallel ranks; its per-stage "
-               "workers, given one rank's files, consolidate it",
+           why="zero_to_fp32's public entry point refuses a save of several tensor-parallel ranks (world_size != "
+               "total_files); its per-stage workers, given one rank's files, consolidate it. Related: "
+               "https://github.com/deepspeedai/DeepSpeed/pull/8168 (TP x DP in ds_to_universal)",
            test="tests/test_private_apis.py::test_deepspeed_shims_in_a_one_rank_process")
 def consolidate_zero_shards(folder: str, tensor_parallel_rank: int) -> Dict[str, Any]:
     """The fp32 weights of one tensor-parallel rank of a ZeRO-1/2/3 checkpoint in `folder`,
@@ -94,8 +95,9 @@ def _base_optimizer_group_state(optimizer_state: Dict[str, Any], group: int) -> 
 
 @relies_on("deepspeed", "the classes pickled in its checkpoint files",
            written_for="0.19", cuda=True,
-           why="DeepSpeed loads its files with weights_only=False (arbitrary code from a file); we load them "
-               "weights-only, allowing these few classes",
+           why="DeepSpeed loads its files with weights_only=False, running whatever a file pickles "
+               "(https://github.com/deepspeedai/DeepSpeed/pull/6751 made that explicit; #6094, closed, tried "
+               "weights_only=True); we load them weights-only, allowing these few classes",
            test="tests/test_private_apis.py::test_deepspeed_shims_in_a_one_rank_process")
 def checkpoint_file_classes() -> List[type]:
     """The few DeepSpeed classes pickled into its checkpoint files besides tensors and containers
@@ -111,7 +113,7 @@ def checkpoint_file_classes() -> List[type]:
 @relies_on("deepspeed", "DeepSpeedEngine.checkpoint_engine",
            written_for="0.19", cuda=True,
            why="the engine reads files through its checkpoint_engine attribute, whose default unpickles arbitrary "
-               "objects; no public hook",
+               "objects (https://github.com/deepspeedai/DeepSpeed/pull/6751); no public hook",
            test="tests/test_private_apis.py::test_deepspeed_shims_in_a_one_rank_process",
            canaries=(("deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine", "weights_only=False"),))
 def replace_checkpoint_loader(engine, load: Callable[..., Any]) -> None:

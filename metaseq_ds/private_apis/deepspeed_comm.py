@@ -9,8 +9,9 @@ from metaseq_ds.private_apis.verified import relies_on
 
 @relies_on("deepspeed", "the name of csrc/cpu/comm/shm.cpp's all-reduce buffer",
            written_for="0.19", cuda=False,
-           why="DeepSpeed's CPU shared-memory all-reduce never unlinks its ~66 MB /dev/shm buffer per rank; we unlink"
-               " it once every rank has mapped it (CPU accelerator only)",
+           why="DeepSpeed's CPU shared-memory all-reduce never unlinks its ~66 MB /dev/shm buffer per rank (shm.cpp's"
+               " shared_close is never called; https://github.com/deepspeedai/DeepSpeed/pull/4115 notes it stays "
+               "after exit); we unlink it once every rank has mapped it. CPU accelerator only",
            test="tests/test_private_apis.py::test_deepspeed_shims_in_a_one_rank_process")
 def shm_allreduce_buffer(rank: int) -> Path:
     """The file in /dev/shm that DeepSpeed's shared-memory all-reduce op (`csrc/cpu/comm/shm.cpp`,

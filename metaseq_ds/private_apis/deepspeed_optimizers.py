@@ -9,9 +9,9 @@ from metaseq_ds.private_apis.verified import relies_on
 
 @relies_on("deepspeed", "DeepSpeedZeroOptimizer_Stage3.fp32_partitioned_groups_flat",
            written_for="0.19", cuda=True,
-           why="fp32 training shares the master partitions with the parameter partitions (optim.fp32_master_weights: "
-               "ZeRO-3 compares torch.device with a device name and clones anyway); resharding sets Adam's state on "
-               "them",
+           why="fp32 training shares the master partitions with the parameter partitions (optim.fp32_master_weights):"
+               " ZeRO-3's own reuse (https://github.com/deepspeedai/DeepSpeed/pull/7651) compares a torch.device with"
+               " a device name, never equal, and clones anyway; resharding sets Adam's state on them",
            test="tests/test_fp32_master_weights.py::test_fp32_master_weights_are_the_parameters_and_training_is_unchanged",
            canaries=(("deepspeed.runtime.zero.stage3", "self.fp16_partitioned_groups_flat[i].device == self.device"),))
 def zero3_flat_partitions(zero_optimizer) -> List[Tuple[Any, Any]]:
@@ -22,8 +22,9 @@ def zero3_flat_partitions(zero_optimizer) -> List[Tuple[Any, Any]]:
 
 @relies_on("deepspeed", "DeepSpeedZeroOptimizer.single_partition_of_fp32_groups",
            written_for="0.19", cuda=True,
-           why="ZeRO-1/2 always clone fp32 parameters as master weights (stage_1_and_2.py): 4 bytes a parameter more "
-               "than needed in fp32 training",
+           why="ZeRO-1/2 always clone fp32 parameters as master weights (stage_1_and_2.py; 'redundant data copies', "
+               "https://github.com/deepspeedai/DeepSpeed/issues/109): 4 bytes a parameter more than needed in fp32 "
+               "training",
            test="tests/test_fp32_master_weights.py::test_fp32_master_weights_are_the_parameters_and_training_is_unchanged",
            canaries=(("deepspeed.runtime.zero.stage_1_and_2", "self.parallel_partitioned_bit16_groups[i][partition_id].detach().clone()"),))
 def zero12_flat_partitions(zero_optimizer) -> List[Tuple[Any, Any]]:
@@ -87,9 +88,10 @@ def stop_zero3_gathering(engine, modules) -> None:
 @relies_on("deepspeed", "the ZeRO optimizers' get_grad_norm_direct(gradients, params) and _zero_padding",
            written_for="0.19", cuda=True,
            why="get_grad_norm_direct copies each whole gradient partition to fp64 (g.to(get_norm_dtype())): a "
-               "transient of twice the largest fp32 partition; goes when DeepSpeed's norm accumulates in pieces",
+               "transient of twice the largest fp32 partition, on the GPU too; no upstream issue found; goes when "
+               "DeepSpeed's norm accumulates in pieces",
            test="tests/test_zero_step.py::test_lean_zero12_step_takes_the_same_norms_over_pieces",
-           canaries=(("deepspeed.runtime.zero.stage_1_and_2", "g.data.to(get_norm_dtype())"), ("deepspeed.runtime.zero.stage3", "part.data.to(get_norm_dtype())")))
+           canaries=(("deepspeed.runtime.zero.stage_1_and_2", "g.data.to(get_norm_dtype())"), ("deepspeed.runtime.zero.stage3", ".to(get_norm_dtype()).norm(norm_type)")))
 def zero_gradient_norms_in_pieces(zero_optimizer, piece_elements: int) -> None:
     """Make a ZeRO-1/2/3 optimizer's gradient norm (`get_grad_norm_direct(gradients, params)`,
     which copies each gradient to fp64 whole) see gradients of more than `piece_elements` as
@@ -199,7 +201,8 @@ def zero3_gradient_buffer(zero_optimizer):
 @relies_on("deepspeed", "DeepSpeedZeroOptimizer._lazy_init_hp_params_optimizer_state",
            written_for="0.19", cuda=True,
            why="resharding sets Adam's moments before the first step; ZeRO-1/2 and the bf16 optimizer link their "
-               "per-parameter state views only at that step",
+               "per-parameter state views only at that step (https://github.com/deepspeedai/DeepSpeed/pull/5104, "
+               "open)",
            test="tests/test_private_apis.py::test_deepspeed_shims_in_a_one_rank_process")
 def link_optimizer_state_fragments(zero_optimizer) -> None:
     """Make DeepSpeed's per-parameter views of the optimizer state (what
@@ -231,7 +234,7 @@ def unfused_fp32_masters(optimizer) -> Dict[int, Any]:
 @relies_on("deepspeed", "FP16_UnfusedOptimizer.initialize_optimizer_states",
            written_for="0.19", cuda=True,
            why="that optimizer takes one step on zero gradients when built, so its step count runs one ahead of the "
-               "updates",
+               "updates (https://github.com/deepspeedai/DeepSpeed/pull/5104, open)",
            test="tests/test_private_apis.py::test_deepspeed_shims_in_a_one_rank_process")
 def unfused_optimizer_construction_steps() -> int:
     """Steps the base optimizer of `FP16_UnfusedOptimizer` takes when it is built (one, on zero

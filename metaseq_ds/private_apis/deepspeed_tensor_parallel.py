@@ -9,7 +9,8 @@ from metaseq_ds.private_apis.verified import relies_on
 @relies_on("deepspeed", "deepspeed.utils.groups._init_tp_mesh_device",
            written_for="0.19", cuda=True,
            why="the (data-parallel x tensor-parallel) groups are needed before the model exists (each rank builds "
-               "only its shard); DeepSpeed makes them only inside deepspeed.initialize (AutoTP)",
+               "only its shard); DeepSpeed makes them only inside deepspeed.initialize (AutoTP). Related: "
+               "https://github.com/deepspeedai/DeepSpeed/issues/7680 (one public mesh API, open)",
            test="tests/test_private_apis.py::test_deepspeed_shims_in_a_one_rank_process")
 def init_tensor_parallel_groups(tensor_parallel_size: int) -> None:
     """DeepSpeed's (data-parallel x tensor-parallel) groups, ranks r..r+N-1 forming one TP group:
@@ -32,8 +33,9 @@ def tensor_parallel_groups_initialized() -> bool:
 
 @relies_on("deepspeed", "deepspeed.module_inject.tp_shard.AutoTPMeta",
            written_for="0.19", cuda=True,
-           why="the TP layers' default split rounds to a grain; checkpoints merge by equal parts, so every dimension "
-               "is split exactly (grain 1)",
+           why="checkpoints merge tensor-parallel parts as equal parts, so every dimension is split with grain 1, "
+               "said explicitly: 0.19's training default is 1 already (AutoTPMeta), but its inference config rounds "
+               "to 64 (https://github.com/deepspeedai/DeepSpeed/pull/4697); can go once the default is promised",
            test="tests/test_private_apis.py::test_even_split_meta_splits_every_dimension_into_equal_parts")
 def even_split_tp_meta():
     """The `tp_meta` argument of DeepSpeed's TP layers that splits every dimension into exactly
@@ -47,7 +49,8 @@ def even_split_tp_meta():
            written_for="0.19", cuda=True,
            why="DeepSpeed's TP layers multiply by self.weight.transpose(-1, -2); autograd saves that view, which "
                "keeps every layer's ZeRO-3-gathered weight alive until the backward (+80 MB a layer at 707M, TP=2 x "
-               "DP=2); goes when DeepSpeed's forward saves the parameter",
+               "DP=2; on a GPU the gathered weights are device memory); no upstream issue found; goes when "
+               "DeepSpeed's forward saves the parameter",
            test="tests/test_tensor_parallel.py::test_tp2_logits_loss_and_gradients_equal_the_unsharded_model",
            canaries=(("deepspeed.module_inject.layers", "torch.matmul(input, self.weight.transpose(-1, -2))"),))
 def tp_forward_saving_the_parameter(layer, row_parallel: bool, linear: Callable[..., Any],

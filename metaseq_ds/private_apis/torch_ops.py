@@ -8,7 +8,8 @@ from metaseq_ds.private_apis.verified import relies_on
 @relies_on("torch", "torch.ops.mkldnn._linear_pointwise",
            written_for="2.13", cuda=False,
            why="oneDNN's linear, what inductor lowers nn.Linear to on the CPU, beats F.linear's CPU path "
-               "(modules.linear); CPU tensors only: a public fused CPU linear would let it go",
+               "(modules.linear); CPU tensors only; goes when torch makes a fused CPU linear public (related: "
+               "https://github.com/pytorch/pytorch/pull/147360)",
            test="tests/test_private_apis.py::test_onednn_linear_equals_f_linear_for_plain_and_transposed_weights")
 def onednn_linear(x, weight, bias=None):
     """x @ weight.T (+ bias) on oneDNN, for fp32 CPU tensors; either operand may be a transposed
