@@ -42,3 +42,17 @@ def test_zero3_partitions_are_made_in_the_training_dtype():
 
 if __name__ == "__main__":
     print(json.dumps([partition_dtypes([]), partition_dtypes(["--bf16"])]))
+
+
+def test_a_ranks_part_owns_its_storage_whatever_the_dimension():
+    """A view of the whole tensor would keep all of it alive beside the parameter."""
+    import torch
+
+    from metaseq_ds.models.initialization import rank_part
+
+    whole = torch.arange(24.0).view(6, 4)
+    for dim in (0, 1):
+        part = rank_part(whole, dim, 1, 2)
+        assert torch.equal(part, whole.chunk(2, dim=dim)[1]) and part.is_contiguous()
+        assert part.untyped_storage().nbytes() == part.numel() * part.element_size()
+    assert rank_part(whole, None, 0, 2) is whole and rank_part(whole, 0, 0, 1) is whole

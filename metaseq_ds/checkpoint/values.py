@@ -11,6 +11,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from metaseq_ds.checkpoint.read import LazyConcat
+from metaseq_ds.models.initialization import rank_part
 from metaseq_ds.errors import UsageError
 
 logger = logging.getLogger(__name__)
@@ -50,13 +51,13 @@ class CheckpointValues:
         if saved_shape == full_shape:
             if isinstance(saved, LazyConcat) and dim == saved.dim and len(saved.parts) == size:
                 return saved.parts[rank].contiguous().float()  # saved at this tensor-parallel degree
-            return _part(saved.contiguous().float(), dim, rank, size)
+            return rank_part(saved.contiguous().float(), dim, rank, size)
         if is_vocabulary_parameter(name) and saved_shape[1:] == full_shape[1:] and saved_shape[0] < full_shape[0]:
             grown = self.initial.whole(name, full_shape)
             grown[: saved_shape[0]] = saved.contiguous().float()
             logger.warning(f"{name}: {saved_shape[0]} saved vocabulary rows, {full_shape[0]} now; "
                            f"the {full_shape[0] - saved_shape[0]} new padding rows keep their initial values")
-            return _part(grown, dim, rank, size)
+            return rank_part(grown, dim, rank, size)
         raise UsageError(f"{self.source}: weight {name} has shape {saved_shape}, this model {full_shape}")
 
     def check_all_used(self, parameter_names) -> None:
@@ -102,6 +103,3 @@ MADV_DONTNEED = 4  # Linux
 def _libc():
     return ctypes.CDLL(None, use_errno=True)
 
-
-def _part(value: torch.Tensor, dim: Optional[int], rank: int, size: int) -> torch.Tensor:
-    return value if dim is None or size == 1 else value.chunk(size, dim=dim)[rank].contiguous()
