@@ -18,8 +18,8 @@ bucket, so reduced on their own) took three copies.
 Measured on this machine, 100M fp32 elements: all-gather 0.14 s against 0.61 s on 2 ranks, 0.42 s
 against 1.2 s on 4; reduce-scatter 0.4 s against 0.8 s on 2 ranks, 1.2 s against 1.6 s on 4. NCCL
 does both in place already; these are installed for gloo only (`utils.init_distributed`,
-through `private_apis.deepspeed_comm.route_deepspeed_collectives`). One broadcast per rank suits the few CPU
-ranks gloo serves; at GPU scale (a data-parallel group of 128 at opt_175b on 1024 ranks) NCCL's
+through `private_apis.deepspeed_comm.route_deepspeed_collectives`). One broadcast per rank suits
+the few CPU ranks gloo serves; at GPU scale (a data-parallel group of 128 at opt_175b on 1024 ranks) NCCL's
 own collectives run.
 """
 

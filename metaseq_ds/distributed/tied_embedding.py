@@ -14,13 +14,14 @@ rank held W's output-projection gradient through its whole backward, then W gath
 (ZeRO-3 gathers a module's parameters before its backward, although an embedding's backward
 never reads them) and the embedding's dense gradient.
 
-Here ZeRO-3's hooks are taken off the two modules (`private_apis.deepspeed_optimizers.stop_zero3_gathering`), and
-they read W a chunk at a time (`CHUNK_ELEMENTS` for all ranks' slices together): each chunk
-is the same offsets of every rank's flat partition, all-gathered over the data-parallel group
-through DeepSpeed's backend, and is used and dropped before the next is gathered. The lookup
-adds each chunk's rows to the tokens that fall in them; the projection computes each chunk's
-logits, and its backward the input gradient from each chunk. Rows a chunk holds only part of
-are zero-filled blocks whose parts add up across chunks.
+Here ZeRO-3's hooks are taken off the two modules
+(`private_apis.deepspeed_optimizers.stop_zero3_gathering`), and they read W a chunk at a time
+(`CHUNK_ELEMENTS` for all ranks' slices together): each chunk is the same offsets of every
+rank's flat partition, all-gathered over the data-parallel group through DeepSpeed's backend,
+and is used and dropped before the next is gathered. The lookup adds each chunk's rows to the
+tokens that fall in them; the projection computes each chunk's logits, and its backward the
+input gradient from each chunk. Rows a chunk holds only part of are zero-filled blocks whose
+parts add up across chunks.
 
 Autograd never makes a gradient of W. The lookup runs without autograd and its output becomes a
 leaf whose gradient (tokens x width) is kept; the projection is an autograd function whose

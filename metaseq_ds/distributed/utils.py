@@ -83,8 +83,8 @@ def destroy_process_groups_at_a_clean_exit() -> None:
 
 def release_shm_buffer() -> None:
     """Unlink this rank's DeepSpeed all-reduce buffer from /dev/shm as soon as every rank has
-    mapped it (`private_apis.deepspeed_comm.shm_allreduce_buffer`). The mappings keep the memory usable until the
-    processes exit, and then the kernel frees it: nothing is left behind however the run ends
+    mapped it (`private_apis.deepspeed_comm.shm_allreduce_buffer`). The mappings keep the memory
+    usable until the processes exit, and then the kernel frees it: nothing is left behind however the run ends
     (normal exit, usage error, Ctrl-C, kill), where each launch used to leave ~66 MB per rank."""
     from metaseq_ds.private_apis.deepspeed_comm import shm_allreduce_buffer
 

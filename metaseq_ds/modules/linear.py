@@ -4,8 +4,8 @@
 PyTorch's fp32 CPU matmul calls MKL, whose kernel dispatch favours Intel processors: on this
 project's AMD EPYC it sustains ~170 GFLOP/s where oneDNN (also inside PyTorch, and what
 PyTorch already uses for bf16) reaches ~300-400 at the decoder's shapes. So for fp32 on the
-CPU the forward and both backward products go through oneDNN's linear op (`private_apis.torch_ops.onednn_linear`)
-when there are many rows (training, prompts) or the weight is large (a decoding step through
+CPU the forward and both backward products go through oneDNN's linear op
+(`private_apis.torch_ops.onednn_linear`) when there are many rows (training, prompts) or the weight is large (a decoding step through
 the vocabulary projection or a wide FFN, where oneDNN streams the weight from memory ~1.5-3x
 faster than MKL's matrix-vector product); everything else (bf16, CUDA, a few rows through a
 small weight) keeps `F.linear`. Same parameters, names and state dict as `nn.Linear`, and an

@@ -7,10 +7,9 @@ by what it touches; nothing else in metaseq_ds reaches into DeepSpeed's or torch
     deepspeed_comm             DeepSpeed's communication backend, its CPU shared-memory all-reduce
     deepspeed_optimizers       ZeRO-1/2/3 and the fp16/bf16 optimizer: flat partitions, lean steps
     deepspeed_checkpoints      DeepSpeed's checkpoint files and its engine's loader
-    catalogue                  all of them, with the patches kept beside their owners
-                               (`host_memory`: glibc's heap; `distributed.gloo_collectives`)
 
-`python -m metaseq_ds.private_apis` prints the catalogue. Public upstream APIs
+The CPU-only patches of public behaviour live beside what they serve and carry the same record:
+`host_memory` (glibc's heap) and `distributed.gloo_collectives`. Public upstream APIs
 (deepspeed.initialize, DeepSpeed's TP layers, zero_to_fp32's public functions, torch.load) are
 used directly where they are needed. Each module imports only upstream and `verified`.
 """

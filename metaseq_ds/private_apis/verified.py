@@ -12,8 +12,8 @@ function under `@relies_on(...)`, which records:
   behaviour worked around, a canary: a line of upstream's source that shows it, checked by
   `tests/test_private_apis.py` (when it is gone, upstream changed: see whether the workaround can go).
 
-`python -m metaseq_ds.private_apis` prints them all; `tests/test_private_apis.py` checks that each
-names a test that exists.
+`RELIED_ON` holds every record once its module is imported; `tests/test_private_apis.py` imports
+each such module and checks that every record names a test that exists.
 """
 
 import functools
