@@ -49,7 +49,7 @@ class CheckpointRef:
             raise UsageError(f"{self.path}: not a metaseq_ds checkpoint (cannot read {META}: {error})") from None
 
 
-def consolidated_file(ref: "CheckpointRef", key: str) -> Path:
+def consolidated_file(ref: CheckpointRef, key: str) -> Path:
     """A consolidated checkpoint's file of `key` (fp32, exp_avg, exp_avg_sq): every parameter, whole."""
     return ref.path / f"{key}.safetensors"
 

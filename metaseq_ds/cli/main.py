@@ -1,5 +1,6 @@
-"""`mseq`: the typer app. Each command is a thin shell that imports its module on use,
-so `mseq --help` never imports torch or deepspeed.
+"""`mseq`: the typer app. Each command is a thin shell that imports its module on use, or (generate,
+serve: runnable alone under a launcher) the command's own module, which imports torch only when it
+runs, so `mseq --help` never imports torch or deepspeed.
 
 `train` takes metaseq's flags (hundreds, some from plugins), which are parsed by
 `metaseq_ds.options` from the config dataclasses; typer only routes to it.

@@ -21,7 +21,7 @@ import os
 import warnings
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Tuple
 
 from metaseq_ds.errors import UsageError
 
@@ -31,7 +31,7 @@ ALLOW_UNTESTED = "METASEQ_DS_ALLOW_UNTESTED"
 @dataclass(frozen=True)
 class Reliance:
     name: str  # the function, module-qualified
-    package: str  # "deepspeed", "torch" or "glibc"
+    package: str  # "deepspeed", "torch" or "glibc" (a glibc behaviour is public: never gated)
     what: str  # the private API or the behaviour relied on
     written_for: str  # major.minor of the package
     cuda: bool  # whether it is used on CUDA devices
@@ -67,7 +67,7 @@ def relies_on(package: str, what: str, *, written_for: str, cuda: bool, why: str
 @functools.lru_cache(maxsize=None)
 def require_tested(package: str, api: str, written_for: str) -> None:
     """Stop with one line when `package` is not the major.minor version `api` was written for."""
-    version = installed_version(package)
+    version = metadata.version(package)
     if ".".join(version.split(".")[:2]) == written_for:
         return
     message = (f"metaseq_ds relies on {package}'s private {api}, written for {package} {written_for}.x; "
@@ -77,11 +77,3 @@ def require_tested(package: str, api: str, written_for: str) -> None:
         return
     raise UsageError(f"{message}: install a verified version, or set {ALLOW_UNTESTED}=1 to try anyway")
 
-
-def installed_version(package: str) -> Optional[str]:
-    if package == "glibc":
-        try:
-            return os.confstr("CS_GNU_LIBC_VERSION").split()[-1]  # "glibc 2.36"
-        except (ValueError, OSError, AttributeError):
-            return None
-    return metadata.version(package)
