@@ -250,6 +250,9 @@ def build_config(classes: Dict[str, type], explicit: Dict[str, Any], arch: str) 
     strings or typed values), the arch's defaults around them, then values derived from others."""
     from metaseq_ds import models
 
+    # Only the sections' fields are read from these: fairseq-style architecture functions also set
+    # attributes no section has (fairseq's adaptive_input, ...), dropped here; unknown flags were
+    # refused before, by the parser.
     explicit = {**explicit, **models.arch_defaults(arch, explicit)}
     sections: Dict[str, Any] = {}
     for name in FIXED_SECTIONS + COMPONENT_SECTIONS:

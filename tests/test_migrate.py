@@ -107,6 +107,10 @@ CASES = {
         "from metaseq_ds.model_parallel.models.transformer_lm import ModelParallelTransformerLanguageModel\n"
         "from metaseq_ds.distributed.utils import get_model_parallel_rank\n",
     ),
+    "fairseq_architecture_functions_resolve": (
+        "from fairseq.models.transformer_lm import base_lm_architecture, transformer_lm_gpt\n",
+        "from metaseq_ds.models.transformer_lm import base_lm_architecture, transformer_lm_gpt\n",
+    ),
     "names_from_one_import_split_by_target_module": (
         "from fairseq.optim import FairseqOptimizer, FairseqAdam\n",
         "from metaseq_ds.optim import BaseOptimizer\nfrom metaseq_ds.optim.adam import MetaseqAdam\n",

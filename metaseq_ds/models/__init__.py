@@ -6,8 +6,8 @@
 decorators: `@register_model("name", dataclass=Config)` on a `BaseModel` subclass (this also
 registers an architecture of the same name), and `@register_model_architecture("name",
 "arch")` on a function `fn(args)` that fills defaults the fairseq way,
-`args.x = getattr(args, "x", default)`. Built-in architectures are tables of defaults
-(`register_architecture_defaults`).
+`args.x = getattr(args, "x", default)`. The built-in architectures are such functions too,
+importable from `metaseq_ds.models.transformer_lm` (`base_lm_architecture`, `opt_125m`, ...).
 """
 
 from metaseq_ds.models.base import (
@@ -25,7 +25,6 @@ from metaseq_ds.models.registry import (
     MODEL_REGISTRY,
     arch_defaults,
     build_model,
-    register_architecture_defaults,
     register_model,
     register_model_architecture,
 )
@@ -48,7 +47,6 @@ __all__ = [
     "TransformerLanguageModelConfig",
     "arch_defaults",
     "build_model",
-    "register_architecture_defaults",
     "register_model",
     "register_model_architecture",
 ]

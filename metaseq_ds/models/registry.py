@@ -47,20 +47,9 @@ def register_model_architecture(model_name: str, arch_name: str):
     return decorate
 
 
-def register_architecture_defaults(model_name: str, arch_name: str, defaults: Mapping[str, Any]) -> None:
-    """Register `--arch arch_name` from a table of defaults; values set explicitly win."""
-
-    def set_defaults(args) -> None:
-        for name, value in defaults.items():
-            if not hasattr(args, name):
-                setattr(args, name, value)
-
-    set_defaults.__name__ = arch_name
-    register_model_architecture(model_name, arch_name)(set_defaults)
-
-
 def arch_defaults(arch_name: str, explicitly_set: Mapping[str, Any]) -> Dict[str, Any]:
-    """The values after `--arch arch_name` filled its defaults around those set explicitly."""
+    """The values after `--arch arch_name` filled its defaults around those set explicitly: every
+    attribute the architecture's function left on the namespace, config field or not."""
     if arch_name not in ARCH_CONFIG_REGISTRY:
         raise UsageError(
             f"--arch: unknown architecture {arch_name!r}{closest(arch_name, ARCH_CONFIG_REGISTRY)} "

@@ -1,16 +1,23 @@
 """`transformer_lm`: the decoder-only language model of fairseq and metaseq, and its `--arch`es.
 
-The architectures are tables of config defaults: fairseq's `transformer_lm_gpt*` family,
-`transformer_lm_megatron`, and the OPT sizes `opt_125m` ... `opt_175b` (pre-LN except
-350m, ReLU, learned positions, tied embeddings, no embedding scaling, FFN 4d).
+The architectures are fairseq-style functions of an `args` namespace, importable by plugins:
+`base_lm_architecture` (the config's own defaults), fairseq's `transformer_lm_gpt*` family,
+`transformer_lm_megatron`, and the OPT sizes `opt_125m` ... `opt_175b` (pre-LN except 350m,
+ReLU, learned positions, tied embeddings, no embedding scaling, FFN 4d). A plugin chains on them:
+
+    @register_model_architecture("transformer_lm", "my_lm")
+    def my_lm(args):
+        args.decoder_layers = getattr(args, "decoder_layers", 3)
+        base_lm_architecture(args)
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from metaseq_ds.dataclass import MetaseqDataclass
 from metaseq_ds.dataclass.constraints import DropoutProbability, PositiveFloat, PositiveInt
-from metaseq_ds.models.registry import register_architecture_defaults, register_model
+from metaseq_ds.models.registry import register_model, register_model_architecture
 from metaseq_ds.models.base import LanguageModel
 from metaseq_ds.models.initialization import initialization_seed, initialize_parameters
 from metaseq_ds.models.transformer_decoder import TransformerDecoder
@@ -79,56 +86,145 @@ class TransformerLanguageModel(LanguageModel):
         self.decoder.reset_parameter(name.removeprefix("decoder."), value, generator)
 
 
-def _fairseq_gpt(embed_dim: int, ffn_dim: int, layers: int, heads: int) -> dict:
-    # fairseq's GPT family, except learned positions (fairseq: sinusoids) so that every
-    # built-in arch exports to Hugging Face OPT; pass decoder_learned_pos: false in a config
-    # file for fairseq's original.
-    return {
-        "decoder_embed_dim": embed_dim,
-        "decoder_ffn_embed_dim": ffn_dim,
-        "decoder_layers": layers,
-        "decoder_attention_heads": heads,
-        "dropout": 0.1,
-        "attention_dropout": 0.1,
-        "activation_fn": "gelu",
-        "decoder_normalize_before": True,
-        "decoder_learned_pos": True,
-    }
+def base_lm_architecture(args) -> None:
+    """The defaults every transformer_lm architecture ends on, fairseq's and metaseq's function of
+    the same name: each field of `TransformerLanguageModelConfig` that `args` does not hold yet
+    gets its dataclass default (the one source of those values). Attributes set already win, so
+    an architecture may call it last, as the presets below do, or first, as some plugins do.
+
+    Differences from fairseq's: pre-LN is not forced (`--arch transformer_lm` and opt_350m are
+    post-LN; the gpt presets set it); `decoder_input_dim` stays None, meaning "the embedding
+    width"; not set are the attributes of features metaseq_ds does not have (adaptive input and
+    softmax, character embeddings, decoder_output_dim, quant-noise, layerdrop, BASE layers,
+    NormFormer's scale_*, layernorm_embedding, add_bos_token) and activation checkpointing (a
+    distributed-training flag with its own default).
+    """
+    # A fairseq plugin may still name the final LayerNorm by fairseq's older positive flag.
+    if hasattr(args, "decoder_final_norm") and not hasattr(args, "no_decoder_final_norm"):
+        args.no_decoder_final_norm = not args.decoder_final_norm
+    for f in dataclasses.fields(TransformerLanguageModelConfig):
+        if not hasattr(args, f.name):
+            setattr(args, f.name, f.default)
 
 
-def _opt(layers: int, embed_dim: int, heads: int) -> dict:
-    return {
-        "decoder_embed_dim": embed_dim,
-        "decoder_ffn_embed_dim": 4 * embed_dim,
-        "decoder_layers": layers,
-        "decoder_attention_heads": heads,
-        "activation_fn": "relu",
-        "dropout": 0.1,
-        "attention_dropout": 0.0,
-        "decoder_normalize_before": True,
-        "decoder_learned_pos": True,
-        "share_decoder_input_output_embed": True,
-        "no_scale_embedding": True,
-    }
+def _set_defaults(args, **defaults) -> None:
+    """fairseq's `args.x = getattr(args, "x", default)` for each keyword: values set already win."""
+    for name, value in defaults.items():
+        setattr(args, name, getattr(args, name, value))
 
 
-ARCHITECTURES = {
-    "transformer_lm_gpt": _fairseq_gpt(768, 3072, 12, 12),
-    "transformer_lm_gpt2_tiny": _fairseq_gpt(64, 64, 2, 1),
-    "transformer_lm_gpt2_small": _fairseq_gpt(1024, 4096, 24, 16),
-    "transformer_lm_gpt2_medium": _fairseq_gpt(1280, 5120, 36, 20),
-    "transformer_lm_gpt2_big": _fairseq_gpt(1600, 6400, 48, 25),
-    "transformer_lm_megatron": _fairseq_gpt(3072, 12288, 72, 32),
-    "opt_125m": _opt(12, 768, 12),
-    "opt_350m": {**_opt(24, 1024, 16), "decoder_normalize_before": False, "decoder_input_dim": 512},
-    "opt_1_3b": _opt(24, 2048, 32),
-    "opt_2_7b": _opt(32, 2560, 32),
-    "opt_6_7b": _opt(32, 4096, 32),
-    "opt_13b": _opt(40, 5120, 40),
-    "opt_30b": _opt(48, 7168, 56),
-    "opt_66b": _opt(64, 9216, 72),
-    "opt_175b": _opt(96, 12288, 96),
-}
+def _fairseq_gpt(args, embed_dim: int, ffn_dim: int, layers: int, heads: int) -> None:
+    _set_defaults(
+        args,
+        decoder_embed_dim=embed_dim,
+        decoder_ffn_embed_dim=ffn_dim,
+        decoder_layers=layers,
+        decoder_attention_heads=heads,
+        dropout=0.1,
+        attention_dropout=0.1,
+        activation_fn="gelu",
+        # fairseq's base_lm_architecture forces pre-LN for every arch; here the arch sets it.
+        decoder_normalize_before=True,
+        # fairseq's GPT family, except learned positions (fairseq: sinusoids) so that every
+        # built-in arch exports to Hugging Face OPT; pass decoder_learned_pos: false in a config
+        # file for fairseq's original.
+        decoder_learned_pos=True,
+    )
+    base_lm_architecture(args)
 
-for _arch, _defaults in ARCHITECTURES.items():
-    register_architecture_defaults("transformer_lm", _arch, _defaults)
+
+@register_model_architecture("transformer_lm", "transformer_lm_gpt")
+def transformer_lm_gpt(args) -> None:
+    _fairseq_gpt(args, embed_dim=768, ffn_dim=3072, layers=12, heads=12)
+
+
+@register_model_architecture("transformer_lm", "transformer_lm_gpt2_tiny")
+def transformer_lm_gpt2_tiny(args) -> None:
+    _fairseq_gpt(args, embed_dim=64, ffn_dim=64, layers=2, heads=1)
+
+
+@register_model_architecture("transformer_lm", "transformer_lm_gpt2_small")
+def transformer_lm_gpt2_small(args) -> None:
+    _fairseq_gpt(args, embed_dim=1024, ffn_dim=4096, layers=24, heads=16)
+
+
+@register_model_architecture("transformer_lm", "transformer_lm_gpt2_medium")
+def transformer_lm_gpt2_medium(args) -> None:
+    _fairseq_gpt(args, embed_dim=1280, ffn_dim=5120, layers=36, heads=20)
+
+
+@register_model_architecture("transformer_lm", "transformer_lm_gpt2_big")
+def transformer_lm_gpt2_big(args) -> None:
+    _fairseq_gpt(args, embed_dim=1600, ffn_dim=6400, layers=48, heads=25)
+
+
+@register_model_architecture("transformer_lm", "transformer_lm_megatron")
+def transformer_lm_megatron(args) -> None:
+    """fairseq's and metaseq's model-parallel preset, here on the one transformer_lm."""
+    _fairseq_gpt(args, embed_dim=3072, ffn_dim=12288, layers=72, heads=32)
+
+
+def _opt(args, layers: int, embed_dim: int, heads: int) -> None:
+    _set_defaults(
+        args,
+        decoder_embed_dim=embed_dim,
+        # 4x the preset's width, not an explicitly given one: --decoder-embed-dim alone keeps the FFN
+        decoder_ffn_embed_dim=4 * embed_dim,
+        decoder_layers=layers,
+        decoder_attention_heads=heads,
+        activation_fn="relu",
+        dropout=0.1,
+        attention_dropout=0.0,
+        decoder_normalize_before=True,
+        decoder_learned_pos=True,
+        share_decoder_input_output_embed=True,
+        no_scale_embedding=True,
+    )
+    base_lm_architecture(args)
+
+
+@register_model_architecture("transformer_lm", "opt_125m")
+def opt_125m(args) -> None:
+    _opt(args, layers=12, embed_dim=768, heads=12)
+
+
+@register_model_architecture("transformer_lm", "opt_350m")
+def opt_350m(args) -> None:
+    # The one post-LN OPT, with 512-wide embeddings projected in and out (HF's project_in/out).
+    _set_defaults(args, decoder_normalize_before=False, decoder_input_dim=512)
+    _opt(args, layers=24, embed_dim=1024, heads=16)
+
+
+@register_model_architecture("transformer_lm", "opt_1_3b")
+def opt_1_3b(args) -> None:
+    _opt(args, layers=24, embed_dim=2048, heads=32)
+
+
+@register_model_architecture("transformer_lm", "opt_2_7b")
+def opt_2_7b(args) -> None:
+    _opt(args, layers=32, embed_dim=2560, heads=32)
+
+
+@register_model_architecture("transformer_lm", "opt_6_7b")
+def opt_6_7b(args) -> None:
+    _opt(args, layers=32, embed_dim=4096, heads=32)
+
+
+@register_model_architecture("transformer_lm", "opt_13b")
+def opt_13b(args) -> None:
+    _opt(args, layers=40, embed_dim=5120, heads=40)
+
+
+@register_model_architecture("transformer_lm", "opt_30b")
+def opt_30b(args) -> None:
+    _opt(args, layers=48, embed_dim=7168, heads=56)
+
+
+@register_model_architecture("transformer_lm", "opt_66b")
+def opt_66b(args) -> None:
+    _opt(args, layers=64, embed_dim=9216, heads=72)
+
+
+@register_model_architecture("transformer_lm", "opt_175b")
+def opt_175b(args) -> None:
+    _opt(args, layers=96, embed_dim=12288, heads=96)
