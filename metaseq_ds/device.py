@@ -28,8 +28,8 @@ def module_device(module: torch.nn.Module) -> torch.device:
 
 
 def to_device(sample: Any, device: torch.device) -> Any:
-    """`sample` with every tensor in it (dicts, lists and tuples searched) on `device`."""
-    return _map_tensors(sample, lambda tensor: tensor.to(device, non_blocking=True))
+    """`sample` with every tensor in it on `device` (searched as `map_tensors` does)."""
+    return map_tensors(sample, lambda tensor: tensor.to(device, non_blocking=True))
 
 
 def pin(sample: Any) -> Any:
@@ -37,14 +37,18 @@ def pin(sample: Any) -> Any:
     to a CUDA device with compute. Without CUDA there is nothing to pin for: `sample` as it is."""
     if not torch.cuda.is_available():
         return sample
-    return _map_tensors(sample, lambda tensor: tensor.pin_memory() if tensor.device.type == "cpu" else tensor)
+    return map_tensors(sample, lambda tensor: tensor.pin_memory() if tensor.device.type == "cpu" else tensor)
 
 
-def _map_tensors(sample: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+def map_tensors(sample: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`sample` with `fn` applied to every tensor in it (dicts, lists, tuples and sets searched);
+    anything else is kept as it is."""
     if torch.is_tensor(sample):
         return fn(sample)
     if isinstance(sample, dict):
-        return {key: _map_tensors(value, fn) for key, value in sample.items()}
-    if isinstance(sample, (list, tuple)):
-        return type(sample)(_map_tensors(value, fn) for value in sample)
+        return {key: map_tensors(value, fn) for key, value in sample.items()}
+    if isinstance(sample, tuple) and hasattr(sample, "_fields"):  # a namedtuple takes its fields one by one
+        return type(sample)(*(map_tensors(value, fn) for value in sample))
+    if isinstance(sample, (list, tuple, set)):
+        return type(sample)(map_tensors(value, fn) for value in sample)
     return sample

@@ -18,7 +18,9 @@ ADVICE = {
     "unresolved": (
         "An import (or an attribute read through it) whose target does not exist in metaseq_ds. "
         "The import is left as it was. Most are fairseq features that metaseq removed and metaseq_ds "
-        "does not rebuild (translation, speech, `fairseq.utils` helpers, ...): copy the few functions "
+        "does not rebuild (translation, speech, TPU support, and with them `utils` helpers such as "
+        "`parse_embedding`, `new_arange`, `convert_padding_direction`, `extract_hard_alignment`, "
+        "`move_to_tpu`; `metaseq_ds.utils` has the common ones): copy the few functions "
         "you use into your code, or use the metaseq_ds equivalent named in the table below. "
         "`compat.install()` does not help here: the name does not exist on the other side either."
     ),

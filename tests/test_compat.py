@@ -70,6 +70,17 @@ def test_hook_resolves_the_import_forms_of_plugin_code(hook):
     assert tl.TransformerLanguageModel is metaseq_ds.models.TransformerLanguageModel
 
 
+def test_hook_serves_the_utils_module_of_plugin_code(hook):
+    import torch
+
+    import metaseq_ds.utils
+    from fairseq import utils
+    from metaseq import utils as metaseq_utils
+
+    assert utils.item(torch.tensor(3.0)) == 3.0
+    assert metaseq_utils.set_torch_seed is metaseq_ds.utils.set_torch_seed
+
+
 def test_hook_names_what_is_missing(hook):
     with pytest.raises(ModuleNotFoundError, match="fairseq.speech_recognition.*metaseq_ds.speech_recognition"):
         import fairseq.speech_recognition  # noqa: F401

@@ -111,6 +111,14 @@ CASES = {
         "from fairseq.models.transformer_lm import base_lm_architecture, transformer_lm_gpt\n",
         "from metaseq_ds.models.transformer_lm import base_lm_architecture, transformer_lm_gpt\n",
     ),
+    "utils_module_of_either_package": (
+        "from fairseq import utils\nfrom metaseq import utils as mutils\nutils.item(x)\nmutils.set_torch_seed(1)\n",
+        "from metaseq_ds import utils\nfrom metaseq_ds import utils as mutils\nutils.item(x)\nmutils.set_torch_seed(1)\n",
+    ),
+    "names_from_utils": (
+        "from fairseq.utils import move_to_cuda, safe_hasattr\nimport metaseq.utils\nmetaseq.utils.strip_pad\n",
+        "from metaseq_ds.utils import move_to_cuda, safe_hasattr\nimport metaseq_ds.utils\nmetaseq_ds.utils.strip_pad\n",
+    ),
     "names_from_one_import_split_by_target_module": (
         "from fairseq.optim import FairseqOptimizer, FairseqAdam\n",
         "from metaseq_ds.optim import BaseOptimizer\nfrom metaseq_ds.optim.adam import MetaseqAdam\n",

@@ -23,9 +23,8 @@ from torch import nn
 from metaseq_ds.incremental_decoding_utils import reserved_positions, with_incremental_state
 from metaseq_ds.models.base import BaseDecoder
 from metaseq_ds.modules import Dropout, LearnedPositionalEmbedding, Linear, SinusoidalPositionalEmbedding
+from metaseq_ds.modules.activations import ACTIVATIONS
 from metaseq_ds.modules.kv_cache import KVCache
-
-ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}  # exact gelu, as fairseq's "gelu" and HF's
 
 
 def embed_scale(cfg) -> float:

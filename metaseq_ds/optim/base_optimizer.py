@@ -7,9 +7,9 @@ through `set_lr` whichever object it is (ZeRO wrappers share `param_groups` with
 torch optimizer they wrap).
 """
 
-import math
-
 import torch
+
+from metaseq_ds import utils
 
 
 class BaseOptimizer:
@@ -75,14 +75,9 @@ class BaseOptimizer:
             if p.grad is not None:
                 p.grad.mul_(c.to(p.grad.device) if torch.is_tensor(c) else c)
 
-    def clip_grad_norm(self, max_norm: float, norm_type: str = "l2"):
+    def clip_grad_norm(self, max_norm: float, norm_type: str = "l2", aggregate_norm_fn=None):
         """Clip the gradient norm to `max_norm` (0: only measure it); return the norm before clipping."""
-        grads_of = [p for p in self.params if p.grad is not None]
-        if not grads_of:
-            return torch.tensor(0.0)
-        # clip_grad_norm_ with an infinite bound measures without changing the gradients.
-        bound = max_norm if max_norm > 0 else math.inf
-        return torch.nn.utils.clip_grad_norm_(grads_of, bound, norm_type=_NORM_TYPES[norm_type])
+        return utils.clip_grad_norm_(self.params, max_norm, norm_type, aggregate_norm_fn)
 
     def step(self, closure=None, scale: float = 1.0):
         """One optimizer step; gradients are divided by `scale` first (metaseq's loss scale)."""
@@ -102,9 +97,6 @@ class BaseOptimizer:
     def supports_flat_params(self) -> bool:
         """Whether the torch optimizer works on parameters flattened into one tensor."""
         return getattr(self.optimizer, "supports_flat_params", False)
-
-
-_NORM_TYPES = {"l2": 2.0, "inf": math.inf}
 
 
 class LegacyOptimizer(BaseOptimizer):
