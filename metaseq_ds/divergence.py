@@ -20,7 +20,7 @@ import math
 from typing import Any, Mapping, Optional
 
 from metaseq_ds.errors import UsageError
-from metaseq_ds.logging.update_window import perplexity
+from metaseq_ds.logging.metrics import get_perplexity
 
 
 class TrainingDiverged(UsageError):
@@ -38,7 +38,7 @@ def check_update(stats: Mapping[str, Any], num_updates: int, cfg, last_saved: Op
     loss, gnorm = stats["loss"], stats["gnorm"]
     # The loss is per unit of the criterion's sample size (a sentence, for some); the perplexity is per token.
     bits_per_token = loss * stats["sample_size"] / max(stats["ntokens"], 1)
-    ppl = perplexity(bits_per_token)
+    ppl = get_perplexity(bits_per_token, round=None)
     if math.isfinite(loss) and math.isfinite(ppl) and (math.isfinite(gnorm) or not stats["step_applied"]):
         return
     raise TrainingDiverged(

@@ -24,7 +24,9 @@ import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from metaseq_ds.dataclass import COMPONENT_SECTIONS, FIXED_SECTIONS, MetaseqConfig, make_read_only, validate_config
+from metaseq_ds.dataclass import (
+    COMPONENT_SECTIONS, FIXED_SECTIONS, MetaseqConfig, make_read_only, validate_config, validate_value,
+)
 from metaseq_ds.dataclass.constraints import describe_range, field_types, plain_type, strip_optional
 from metaseq_ds.errors import UsageError
 from metaseq_ds.registry import Registry, closest
@@ -253,12 +255,20 @@ def build_config(classes: Dict[str, type], explicit: Dict[str, Any], arch: str) 
     # Only the sections' fields are read from these: fairseq-style architecture functions also set
     # attributes no section has (fairseq's adaptive_input, ...), dropped here; unknown flags were
     # refused before, by the parser.
-    explicit = {**explicit, **models.arch_defaults(arch, explicit)}
+    explicit = {**explicit, **models.arch_defaults(arch, _typed(classes, explicit))}
     sections: Dict[str, Any] = {}
     for name in FIXED_SECTIONS + COMPONENT_SECTIONS:
         cls = classes[name]
         sections[name] = validate_config(cls, _section_values(cls, explicit, sections), flag_of=flag)
     return _read_only(derive(MetaseqConfig(**sections, arch=arch)))
+
+
+def _typed(classes: Dict[str, type], explicit: Dict[str, Any]) -> Dict[str, Any]:
+    """`explicit` with the command line's strings as their fields' types, for the architecture's
+    function: fairseq's computed with argparse's typed values (`args.decoder_embed_dim * 4`)."""
+    owners = {f.name: cls for cls in reversed(list(classes.values())) for f in dataclasses.fields(cls)}
+    return {name: validate_value(owners[name], name, _from_text(value, field_types(owners[name])[name]), flag(name))
+            if name in owners else value for name, value in explicit.items()}
 
 
 def config_from_values(values: Mapping[str, Any], arch: str = "transformer_lm") -> MetaseqConfig:

@@ -13,6 +13,8 @@ Three parts:
 - `PACKAGE_RENAMES`: top-level packages; a module not listed in `MODULE_MOVES` keeps its path
   under the new package (`fairseq.models.transformer_lm` -> `metaseq_ds.models.transformer_lm`).
 - `MODULE_MOVES`: modules whose path changed between fairseq's, metaseq's and our layouts.
+- `NOT_PROVIDED`: parts of fairseq's and metaseq's plugin surface metaseq_ds leaves out on
+  purpose, each with the reason and what to do; `mseq migrate` reports them as needing a person.
 """
 
 from dataclasses import dataclass
@@ -97,6 +99,43 @@ MODULE_MOVES: Dict[str, str] = {
     "metaseq.checkpoint_utils": "metaseq_ds.checkpoint",
 }
 
+# Old names (after the package: "utils.parse_embedding" is fairseq's and metaseq's) that metaseq_ds
+# does not provide, on purpose: why, and what to use. A module entry covers every name in it.
+NOT_PROVIDED: Dict[str, str] = {
+    "tasks.language_modeling": "fairseq's LM task reads fairseq-preprocess binaries (dict.txt + .bin/.idx), "
+    "which metaseq_ds does not read; extend metaseq_ds.tasks.streaming_language_modeling (jsonl, metaseq's task)",
+    "checkpoint_utils.load_checkpoint_to_cpu": "checkpoints are DeepSpeed tag directories, not one pickle; "
+    "metaseq_ds.checkpoint.inference.load_model_for_inference(path) gives (cfg, task, model, ref)",
+    "checkpoint_utils.load_model_ensemble_and_task": "one model per checkpoint: "
+    "metaseq_ds.checkpoint.inference.load_model_for_inference(path) gives (cfg, task, model, ref)",
+    "utils.parse_embedding": "pretrained word-vector files for translation embeddings (metaseq dropped them)",
+    "utils.load_embedding": "pretrained word-vector files for translation embeddings (metaseq dropped them)",
+    "utils.print_embed_overlap": "pretrained word-vector files for translation embeddings (metaseq dropped them)",
+    "utils.load_align_dict": "translation's unknown-word replacement and alignment",
+    "utils.replace_unk": "translation's unknown-word replacement and alignment",
+    "utils.post_process_prediction": "translation's unknown-word replacement and alignment",
+    "utils.extract_hard_alignment": "translation's unknown-word replacement and alignment",
+    "utils.extract_soft_alignment": "translation's unknown-word replacement and alignment",
+    "utils.parse_alignment": "translation's unknown-word replacement and alignment",
+    "utils.convert_padding_direction": "encoder padding flips and non-autoregressive translation",
+    "utils.new_arange": "encoder padding flips and non-autoregressive translation",
+    "utils.move_to_tpu": "no TPU/XLA support",
+    "utils.get_tpu_device": "no TPU/XLA support",
+    "utils.tpu_data_loader": "no TPU/XLA support",
+    "utils.xla_device_to_cpu": "no TPU/XLA support",
+    "utils.is_xla_tensor": "no TPU/XLA support",
+    "utils.multi_tensor_l2_total_norm": "needs apex's amp_C; utils.clip_grad_norm_ uses torch's multi-tensor norm",
+    "utils.get_model_init_dtype": "picked a dtype for FairScale's memory-efficient fp16; DeepSpeed's config decides here",
+    "utils.floating_point_precision_convertor": "FairScale's memory-efficient fp16; DeepSpeed's config decides here",
+    "utils.init_method_normal": "draws from the global RNG; metaseq_ds initialises each parameter from its own "
+    "generator (model.reset_parameter), so weights do not depend on the parallel layout",
+    "utils.scaled_init_method_normal": "draws from the global RNG; metaseq_ds initialises each parameter from its "
+    "own generator (model.reset_parameter), so weights do not depend on the parallel layout",
+    "utils.CudaEnvironment": "only logged per-worker GPU details",
+    "utils.swiglu": "a gated activation needs a second linear layer: not a function of one tensor",
+    "utils.geglu": "a gated activation needs a second linear layer: not a function of one tensor",
+}
+
 # Command lines of fairseq's and metaseq's console scripts that `mseq` replaces.
 COMMAND_RENAMES: Dict[str, str] = {
     "fairseq-train": "mseq train",
@@ -134,3 +173,13 @@ def new_module_path(old_module: str) -> Tuple[str, int]:
 
 def class_rename(name: str) -> Optional[ClassRename]:
     return CLASS_RENAME_BY_OLD_NAME.get(name)
+
+
+def not_provided(old: str) -> Optional[str]:
+    """Why the old dotted name (or the module it lies in) is left out on purpose, or None."""
+    parts = old.split(".")[1:]
+    for end in range(len(parts), 0, -1):
+        reason = NOT_PROVIDED.get(".".join(parts[:end]))
+        if reason is not None:
+            return reason
+    return None

@@ -19,7 +19,6 @@ see the same batch.
 import logging
 import math
 import random
-import time
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -33,11 +32,12 @@ from metaseq_ds.distributed.tied_embedding import StreamedTiedEmbedding, stream_
 from metaseq_ds.errors import UsageError
 from metaseq_ds.host_memory import release_freed_heap
 from metaseq_ds.logging import metrics
+from metaseq_ds.logging.reduction import combine_over_ranks, reduce_and_log
 from metaseq_ds.optim import build_optimizer
 from metaseq_ds.optim.lr_scheduler import build_lr_scheduler
 from metaseq_ds.optim.fp32_master_weights import share_fp32_master_weights
 from metaseq_ds.optim.zero_step import lean_zero_step
-from metaseq_ds.validation import validation_loss
+from metaseq_ds.validation import validate
 
 logger = logging.getLogger(__name__)
 
@@ -120,44 +120,57 @@ class Trainer:
         torch.manual_seed(seed)
         random.seed(seed)
 
-    def train_step(self, samples: List[Dict[str, Any]]) -> Dict[str, float]:
-        """One update over `update_freq` micro-batches of this rank; returns the global stats."""
+    def train_step(self, samples: List[Dict[str, Any]]) -> Dict[str, Any]:
+        """One update over `update_freq` micro-batches of this rank.
+
+        Logs into the open `metrics` aggregators as metaseq's trainer does: the criterion's
+        metrics (`task.reduce_metrics` on the update's logging outputs, combined over the
+        data-parallel ranks), ups, lr, num_updates, gnorm, clip and train_wall.
+        Returns the values the criterion logged for this update, with what the divergence
+        check reads: the global sample_size and ntokens, gnorm, and whether the step applied."""
         self._seed_for_update()
-        start = time.perf_counter()
+        metrics.log_start_time("train_wall", priority=800)  # unrounded: our updates can take under a second
         sizes = [self.criterion.sample_size(sample) for sample in samples]
-        local = [sum(sizes), sum(s["ntokens"] for s in samples), sum(s["nsentences"] for s in samples)]
-        global_size, global_tokens, global_sentences = self._sum_over_replicas(local)
+        local = [sum(sizes), sum(s["ntokens"] for s in samples)]
+        global_size, global_tokens = self._sum_over_replicas(local)
         scale = len(samples) * self.data_parallel_size / max(global_size, 1.0)
         backward = _EngineBackward(self.engine, scale, self.tied_embedding)
-        # Summed where the losses are made; read once an update, for the log and the divergence check.
-        losses = []
+        # Kept as the criterion made them (tensors stay on the device): read once an update.
+        logging_outputs = []
         gnorm = None
         for index, (sample, size) in enumerate(zip(samples, sizes)):
             sample = to_device(sample, self.engine.device)
             loss, returned_size, logging_output = self.task.train_step(sample, self.model, self.criterion, backward, self.num_updates)
             check_sample_size(self.criterion, size, returned_size)
-            losses.append(logging_output["loss"])
+            logging_outputs.append(logging_output)
             if index == len(samples) - 1 and self._plain_optimizer:
                 gnorm = self._local_grad_norm()
             self.engine.step()
         release_freed_heap(self.engine.device)  # a CPU rank's heap keeps the step's freed transients resident
         self.num_updates += 1
         lr = self.lr_scheduler.step_update(self.num_updates)
-        (total_loss,) = self._sum_over_replicas([float(sum(losses))])
+        logging_outputs = combine_over_ranks(logging_outputs, self.criterion.logging_outputs_can_be_summed(),
+                                             group=self.data_parallel_group)
         gnorm = self._engine_grad_norm() if gnorm is None else gnorm
-        clip_norm = self.cfg.optimization.clip_norm
-        return {
-            "loss": total_loss / max(global_size, 1.0) / math.log(2),
-            "ntokens": global_tokens,
-            "nsentences": global_sentences,
-            "sample_size": global_size,
-            "lr": lr,
-            "gnorm": gnorm,
-            "clip": float(clip_norm > 0 and gnorm > clip_norm),
-            "train_wall": time.perf_counter() - start,
-            # False when DeepSpeed's overflow check (fp16 loss scaling, bf16) skipped the step.
-            "step_applied": self.engine.was_step_applied(),
-        }
+        self._log_update_stats(lr, gnorm)
+        values = reduce_and_log(self.task, self.criterion, logging_outputs)
+        metrics.log_stop_time("train_wall")
+        for window_only in ("wps", "wpb", "bsz"):  # the log line's: one update's speed is no speed
+            values.pop(window_only, None)
+        # False when DeepSpeed's overflow check (fp16 loss scaling, bf16) skipped the step.
+        return {**values, "sample_size": global_size, "ntokens": global_tokens, "gnorm": gnorm,
+                "step_applied": self.engine.was_step_applied()}
+
+    def _log_update_stats(self, lr: float, gnorm: float) -> None:
+        """The optimizer's side of metaseq's train_inner line (keys, priorities and rounding as metaseq)."""
+        metrics.log_speed("ups", 1.0, priority=100, round=2)
+        metrics.log_scalar("num_updates", self.num_updates, weight=0, priority=200)
+        metrics.log_scalar("lr", lr, weight=0, priority=300)
+        if math.isfinite(gnorm):
+            metrics.log_scalar("gnorm", gnorm, priority=400)  # unrounded, as the loss: runs are compared by it
+            clip_norm = self.cfg.optimization.clip_norm
+            if clip_norm > 0:  # the share of updates clipped, in percent
+                metrics.log_scalar("clip", 100.0 if gnorm > clip_norm else 0.0, priority=500, round=1)
 
     @property
     def _plain_optimizer(self) -> bool:
@@ -190,10 +203,10 @@ class Trainer:
             return 0.0
         return float(norm.item() if torch.is_tensor(norm) else norm)
 
-    def valid_loss(self, iterator, max_steps=None) -> Dict[str, float]:
-        """`validation.validation_loss` on the engine, summed over the data-parallel ranks."""
-        return validation_loss(self.task, self.model, self.criterion, iterator, max_steps,
-                               device=self.engine.device, sum_over_ranks=self._sum_over_replicas)
+    def validate(self, batches, max_steps=None) -> Dict[str, float]:
+        """`validation.validate` on the engine, combined over the data-parallel ranks."""
+        return validate(self.task, self.model, self.criterion, batches, max_steps, device=self.engine.device,
+                        group=self.data_parallel_group)
 
     # -- state for checkpoints (DeepSpeed saves it as the engine's "client state") -----------
     def state_dict(self) -> Dict[str, Any]:

@@ -1,44 +1,53 @@
-"""The one validation loop: a criterion's summed loss over a split's batches, per unit of its
-sample size, in bits (metaseq reports base 2), summed over the data-parallel ranks.
+"""The one validation pass: `task.valid_step` over a split's batches, then the criterion's
+metrics over the whole split (metaseq's valid line), in `mseq train` and `mseq validate` alike.
 
-`mseq train` runs it on the DeepSpeed engine each rank holds, `mseq validate` on a plain
-model in one process; only the reduction over ranks differs. Each batch is moved to the
-model's device, and the sums stay there until the split is done: one read of the device per
-split, not one per batch.
+The logging outputs stay where the criterion made them until the split is done; then they are
+combined over the data-parallel ranks (`logging.reduction`: one all-reduce, or one gather) and
+reduced by `task.reduce_metrics` in an aggregator of their own, apart from training's meters.
+So a split costs one read of the device, not one per batch, and its figures are the split's:
+the loss is the split's summed loss over its summed sample size, `wpb` and `bsz` its tokens
+and sentences.
 """
 
-import math
-from typing import Any, Callable, Dict, Iterable, List, Optional
+import logging
+from typing import Any, Dict, Iterable, Optional
 
 import torch
 
 from metaseq_ds.device import module_device, to_device
-from metaseq_ds.logging.update_window import perplexity
+from metaseq_ds.logging import metrics
+from metaseq_ds.logging.reduction import combine_over_ranks, reduce_and_log
+
+logger = logging.getLogger(__name__)
 
 Sample = Dict[str, Any]
 
 
 @torch.no_grad()
-def validation_loss(
+def validate(
     task,
     model,
     criterion,
     batches: Iterable[Sample],
     max_steps: Optional[int] = None,
     device: Optional[torch.device] = None,
-    sum_over_ranks: Callable[[List[float]], List[float]] = lambda values: values,
+    group=None,
 ) -> Dict[str, float]:
-    """{"loss": bits per sample-size unit (per token for the LM criteria), "ppl": 2 ** loss,
-    "ntokens": target tokens seen}, over at most `max_steps` batches of each rank, on `device`
-    (default: the model's)."""
+    """The metrics the criterion (and task) logged over at most `max_steps` batches of each rank,
+    combined over the ranks of `group` (None: all ranks; one process: this one), on `device`
+    (default: the model's). Empty if no rank had a batch."""
     device = module_device(model) if device is None else device
-    sums = torch.zeros(3, dtype=torch.float64, device=device)  # loss, sample size, tokens
+    logging_outputs = []
     for step, sample in enumerate(batches):
         if max_steps is not None and step >= max_steps:
             break
-        _, size, logging_output = task.valid_step(to_device(sample, device), model, criterion)
-        for index, value in enumerate((logging_output["loss"], size, logging_output["ntokens"])):
-            sums[index] += value
-    loss_sum, sample_size, tokens = sum_over_ranks(sums.tolist())
-    loss = loss_sum / max(sample_size, 1.0) / math.log(2)
-    return {"loss": loss, "ppl": perplexity(loss), "ntokens": tokens}
+        _, _, logging_output = task.valid_step(to_device(sample, device), model, criterion)
+        logging_outputs.append(logging_output)
+    combined = combine_over_ranks(logging_outputs, criterion.logging_outputs_can_be_summed(), group, may_be_empty=True)
+    if not any(combined):
+        logger.warning("validation: no batches (the split is empty or smaller than the ranks); nothing to report")
+        return {}
+    with metrics.aggregate(new_root=True):
+        values = reduce_and_log(task, criterion, combined)
+    # One reduction has no duration of its own to divide by: a words-per-second is not measured.
+    return {key: value for key, value in values.items() if key != "wps"}

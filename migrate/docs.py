@@ -9,7 +9,7 @@
 import sys
 from pathlib import Path
 
-from metaseq_ds.renames import CLASS_RENAMES, COMMAND_RENAMES, MODULE_MOVES, PACKAGE_RENAMES
+from metaseq_ds.renames import CLASS_RENAMES, COMMAND_RENAMES, MODULE_MOVES, NOT_PROVIDED, PACKAGE_RENAMES
 
 DOC_PATH = Path(__file__).resolve().parent.parent / "docs" / "migration.md"
 
@@ -18,10 +18,9 @@ ADVICE = {
     "unresolved": (
         "An import (or an attribute read through it) whose target does not exist in metaseq_ds. "
         "The import is left as it was. Most are fairseq features that metaseq removed and metaseq_ds "
-        "does not rebuild (translation, speech, TPU support, and with them `utils` helpers such as "
-        "`parse_embedding`, `new_arange`, `convert_padding_direction`, `extract_hard_alignment`, "
-        "`move_to_tpu`; `metaseq_ds.utils` has the common ones): copy the few functions "
-        "you use into your code, or use the metaseq_ds equivalent named in the table below. "
+        "does not rebuild (translation, speech, TPU support); those left out on purpose are listed "
+        "under \"Not provided\" with what to use instead, and the report gives that reason. Copy the "
+        "few functions you use into your code, or use the metaseq_ds equivalent named in the tables. "
         "`compat.install()` does not help here: the name does not exist on the other side either."
     ),
     "string": (
@@ -83,6 +82,17 @@ def render() -> str:
         "|---|---|",
     ]
     lines += [f"| `{old}` | `{new}` |" for old, new in MODULE_MOVES.items()]
+    lines += [
+        "",
+        "## Not provided, on purpose",
+        "",
+        "Parts of fairseq's and metaseq's plugin surface that metaseq_ds leaves out (the name is the same "
+        "under `fairseq.` and `metaseq.`); `mseq migrate` reports each use as unresolved, with this reason.",
+        "",
+        "| old name | why, and what to use |",
+        "|---|---|",
+    ]
+    lines += [f"| `{old}` | {reason} |" for old, reason in NOT_PROVIDED.items()]
     lines += ["", "## Command lines (`--shell`)", "", "| old | new |", "|---|---|"]
     lines += [f"| `{old}` | `{new}` |" for old, new in COMMAND_RENAMES.items()]
     lines += ["", "## Reported items: what to do", ""]

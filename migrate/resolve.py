@@ -17,7 +17,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import FrozenSet, List, Optional, Union
 
-from metaseq_ds.renames import ClassRename, class_rename, new_module_path
+from metaseq_ds.renames import ClassRename, class_rename, new_module_path, not_provided
 
 
 @dataclass(frozen=True)
@@ -69,6 +69,11 @@ class ModuleIndex:
 
     def translate(self, old: str) -> Union[Translation, Unresolved]:
         """The metaseq_ds location of an old dotted name, or why there is none."""
+        found = self._translate(old)
+        left_out = not_provided(old) if isinstance(found, Unresolved) else None
+        return Unresolved(f"not provided: {left_out}") if left_out else found
+
+    def _translate(self, old: str) -> Union[Translation, Unresolved]:
         parts = old.split(".")
         moved, consumed = new_module_path(old)
         new_parts = moved.split(".")

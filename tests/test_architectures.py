@@ -143,8 +143,6 @@ def test_plugin_arch_calling_base_first_reads_what_it_filled(registered):
     assert model_values(["--arch", "test_arch_base_first", "--decoder-layers", "5"])["decoder_layers"] == 5
 
 
-@pytest.mark.xfail(strict=True, reason="options.build_config hands architecture functions the command line's "
-                   "strings: 3 * '64' is '646464' (fairseq's argparse had typed them)")
 def test_plugin_arch_computes_with_command_line_values(registered):
     @registered.architecture("transformer_lm", "test_arch_wide_ffn")
     def wide_ffn(args):

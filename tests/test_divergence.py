@@ -10,10 +10,12 @@ import torch
 
 from launch import TINY, log_records, run, tree_digest, write_corpus
 from metaseq_ds.divergence import TrainingDiverged, check_update
+from metaseq_ds.criterions import CrossEntropyCriterion
+from metaseq_ds.logging import metrics
 from metaseq_ds.logging.progress_bar import StatsSink
-from metaseq_ds.logging.update_window import UpdateWindow
 from metaseq_ds.options import parse_train_config
-from metaseq_ds.validation import validation_loss
+from metaseq_ds.tasks import BaseTask
+from metaseq_ds.validation import validate
 
 FINITE = {"loss": 8.0, "gnorm": 1.5, "sample_size": 256, "ntokens": 256, "step_applied": True}
 
@@ -21,6 +23,14 @@ FINITE = {"loss": 8.0, "gnorm": 1.5, "sample_size": 256, "ntokens": 256, "step_a
 def _config(*flags):
     return parse_train_config(["/data", "--lr", "0.5", *flags])
 
+
+
+@pytest.fixture(autouse=True)
+def fresh_metrics():
+    """The aggregators are global: each test starts and leaves them empty."""
+    metrics.reset()
+    yield
+    metrics.reset()
 
 @pytest.mark.parametrize("change, shown", [
     ({"loss": math.nan}, "loss nan bits per token (perplexity nan)"),
@@ -62,19 +72,21 @@ def test_a_per_sentence_loss_is_judged_per_token():
 
 def test_log_lines_and_validation_survive_extreme_losses(caplog):
     caplog.set_level(logging.INFO)
-    window = UpdateWindow()
-    window.add({**FINITE, "loss": 4.3e8, "gnorm": 5e4, "clip": 0.0, "nsentences": 8, "train_wall": 0.1})
-    line = window.flush(epoch=1, num_updates=3, lr=1e4, wall=1.0)
+    huge = {"loss": 4.3e8 * 256 * math.log(2), "ntokens": 256, "nsentences": 8, "sample_size": 256}
+    with metrics.aggregate("train_inner", new_root=True):
+        CrossEntropyCriterion.reduce_metrics([huge])
+    line = metrics.get_smoothed_values("train_inner")
     assert line["ppl"] == math.inf
     StatsSink("json", None, "none", total=0, enabled=True).log("train_inner", line, 3)
     assert json.loads(caplog.records[-1].getMessage())["ppl"] == math.inf
 
-    class HugeLoss:
+    class HugeLoss(BaseTask):
         def valid_step(self, sample, model, criterion):
-            return None, 1, {"loss": 2000.0 * math.log(2), "ntokens": 1}
+            return None, 1, {"loss": 2000.0 * math.log(2), "ntokens": 1, "sample_size": 1}
 
-    stats = validation_loss(HugeLoss(), None, None, [{}], device=torch.device("cpu"))
-    assert stats["loss"] == pytest.approx(2000.0) and stats["ppl"] == math.inf
+    criterion = CrossEntropyCriterion(None)
+    values = validate(HugeLoss(None), None, criterion, [{}], device=torch.device("cpu"))
+    assert values["loss"] == pytest.approx(2000.0) and values["ppl"] == math.inf
 
 
 @pytest.mark.slow

@@ -17,9 +17,9 @@ def test_json_lines_carry_numbers_under_the_tag(capsys):
 
 def test_rich_bar_follows_updates_and_stops():
     sink = StatsSink("none", None, "rich", total=10, enabled=True)
-    sink.advance(4, 2.5)
+    sink.advance(4, {"loss": 2.5, "nll_loss": 2.25, "ppl": 4.756828})  # what the criterion logged
     task = sink.bar.tasks[0]
-    assert task.completed == 4 and task.total == 10 and "loss 2.500" in task.fields["stats"]
+    assert task.completed == 4 and task.total == 10 and task.fields["stats"] == "loss 2.5 | nll_loss 2.25 | ppl 4.757"
     sink.close()
     assert not sink.bar.live.is_started
 
@@ -28,6 +28,6 @@ def test_other_ranks_write_nothing(capsys):
     setup_logging()
     sink = StatsSink("json", None, "rich", total=10, enabled=False)
     sink.log("train_inner", {"loss": 1.0}, step=1)
-    sink.advance(1, 1.0)
+    sink.advance(1, {"loss": 1.0})
     assert capsys.readouterr().out == "" and sink.bar is None
     logging.getLogger().handlers.clear()

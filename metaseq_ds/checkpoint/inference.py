@@ -1,6 +1,7 @@
 """A checkpoint loaded for inference (`mseq validate`, `generate`, `serve`, `export`'s checks):
 its config, task and model, each rank holding only its part."""
 
+from pathlib import Path
 from typing import Optional
 
 from metaseq_ds.checkpoint.files import find_checkpoint
@@ -9,9 +10,13 @@ from metaseq_ds.checkpoint.values import CheckpointValues
 from metaseq_ds.errors import UsageError
 
 
-def load_model_for_inference(path: str, data: Optional[str] = None, need_data: bool = True):
+def load_model_for_inference(path: str, data: Optional[str] = None, need_data: bool = True,
+                             user_dir: Optional[str] = None):
     """(cfg, task, model in eval mode, ref) of the checkpoint at `path` (`--path` of validate and
     generate), in fp32 on the accelerator (the CPU here); `data` overrides the run's data directory.
+
+    A run trained with `--user-dir` needs its plugin's task, model and criterion again: the
+    saved `common.user_dir` is imported, or `user_dir` where the plugin has moved since.
 
     The model is built on the meta device and filled tensor by tensor from the checkpoint's
     memory-mapped files (`distributed.materialize`), so no second copy of the weights is ever
@@ -30,6 +35,7 @@ def load_model_for_inference(path: str, data: Optional[str] = None, need_data: b
     if ref is None:
         raise UsageError(f"--path: {path} is not a checkpoint (expected a save dir with checkpoint_last, or a checkpoint_* dir)")
     saved = ref.meta()["config"]
+    _import_plugin(user_dir, saved.get("common", {}).get("user_dir"))
     if data is None and need_data and not saved["task"].get("data", True):
         raise UsageError(f"--path {path}: the checkpoint records no data directory (imported weights?): give --data DATA")
     # Without data (generation) the task opens no data directory: a moved corpus is no obstacle.
@@ -46,3 +52,14 @@ def load_model_for_inference(path: str, data: Optional[str] = None, need_data: b
     model = build_model(cfg, task, None, saved_values, zero3_config=None)
     model.eval()
     return cfg, task, model, ref
+
+
+def _import_plugin(given: Optional[str], saved: Optional[str]) -> None:
+    from metaseq_ds.user_code import import_user_module, install_compat_if_asked
+
+    if given is None and saved is not None and not Path(saved).exists():
+        raise UsageError(f"the checkpoint was trained with --user-dir {saved}, which is gone: give --user-dir "
+                         f"with the plugin's new place")
+    if given or saved:
+        install_compat_if_asked()  # a plugin that imports fairseq, under METASEQ_DS_COMPAT=1
+        import_user_module(given or saved)

@@ -47,11 +47,13 @@ def validate(
         None, "--batch-size", help="sequences per batch (default: the run's)" + describe_range(DatasetConfig, "batch_size")),
     max_valid_steps: Optional[int] = typer.Option(
         None, "--max-valid-steps", help="at most N batches per split" + describe_range(DatasetConfig, "max_valid_steps")),
+    user_dir: Optional[str] = typer.Option(
+        None, "--user-dir", help="the run's plugin (default: the --user-dir it was trained with)"),
 ) -> None:
-    """Report loss (base 2) and perplexity of a checkpoint on validation splits."""
+    """Report a checkpoint's loss (base 2), perplexity and its criterion's other metrics on validation splits."""
     from metaseq_ds.cli import validate as validate_module
 
-    run_guarded("validate", validate_module.main, path, valid_subset, data, batch_size, max_valid_steps)
+    run_guarded("validate", validate_module.main, path, valid_subset, data, batch_size, max_valid_steps, user_dir)
 
 
 app.command("generate")(generate.command)

@@ -123,44 +123,58 @@ def dry_run(cfg) -> None:
 
 
 def train_loop(cfg, task, trainer, epoch_itr, checkpoints, sink):
-    """Updates until --max-update/--max-epoch/--stop-min-lr, validating and saving on schedule."""
+    """Updates until --max-update/--max-epoch/--stop-min-lr, validating and saving on schedule.
+
+    The log lines are metaseq's, from its `metrics` aggregators: each update runs inside
+    "train_inner" (a line every --log-interval updates, then reset) and "train" (a line at the
+    end of each epoch's training, keys prefixed "train_"), so each shows exactly what the task,
+    criterion and trainer logged."""
     from metaseq_ds.distributed import utils as dist_utils
     from metaseq_ds.divergence import check_update
-    from metaseq_ds.logging.update_window import UpdateWindow
+    from metaseq_ds.logging import metrics
 
     opt, ds_cfg, ckpt = cfg.optimization, cfg.dataset, cfg.checkpoint
     start_wall = time.perf_counter()
     last_valid = None
-    window = UpdateWindow()
+    unlogged_updates = 0
 
     def finished() -> bool:
         return bool(opt.max_update and trainer.num_updates >= opt.max_update) or 0 <= trainer.get_lr() < opt.stop_min_lr
 
-    def log_window() -> None:
-        n = trainer.num_updates
-        sink.log("train_inner", window.flush(epoch_itr.epoch, n, trainer.get_lr(), time.perf_counter() - start_wall), n)
+    def log_line(tag: str, aggregator: str, prefix: str = "", **first) -> None:
+        values = {**metrics.get_smoothed_values(aggregator), "wall": time.perf_counter() - start_wall}
+        sink.log(tag, {**first, **{prefix + key: value for key, value in values.items()}}, trainer.num_updates)
+        metrics.reset_meters(aggregator)
 
     while not finished():
         if opt.max_epoch and epoch_itr.epoch > opt.max_epoch:
             break
         itr = epoch_itr.next_epoch_itr()
         stop = False
-        for samples in _groups(itr, opt.update_freq):
-            stats = trainer.train_step(samples)
-            # A NaN/inf update stops here: nothing after it is logged or saved (TrainingDiverged).
-            check_update(stats, trainer.num_updates, cfg, checkpoints.saved_update)
-            window.add(stats)
-            n = trainer.num_updates
-            sink.advance(n, stats["loss"])
-            if n % cfg.common.log_interval == 0:
-                log_window()
-            stop = finished()
-            if ds_cfg.validate_interval_updates and n % ds_cfg.validate_interval_updates == 0 and not stop:
-                last_valid = _validate(cfg, task, trainer, epoch_itr.epoch, sink)
-            if ckpt.save_interval_updates and n % ckpt.save_interval_updates == 0 and not stop:
-                checkpoints.save(trainer, epoch_itr)
-            if stop:
-                break
+        with metrics.aggregate("train"):
+            for samples in _groups(itr, opt.update_freq):
+                with metrics.aggregate("train_inner"):
+                    stats = trainer.train_step(samples)
+                # A NaN/inf update stops here: nothing after it is logged or saved (TrainingDiverged).
+                check_update(stats, trainer.num_updates, cfg, checkpoints.saved_update)
+                unlogged_updates += 1
+                n = trainer.num_updates
+                sink.advance(n, {key: value for key, value in stats.items() if key not in UPDATE_FACTS})
+                if n % cfg.common.log_interval == 0:
+                    log_line("train_inner", "train_inner", epoch=epoch_itr.epoch, update=n)
+                    unlogged_updates = 0
+                stop = finished()
+                if ds_cfg.validate_interval_updates and n % ds_cfg.validate_interval_updates == 0 and not stop:
+                    last_valid = _validate(cfg, task, trainer, epoch_itr.epoch, sink)
+                if ckpt.save_interval_updates and n % ckpt.save_interval_updates == 0 and not stop:
+                    checkpoints.save(trainer, epoch_itr)
+                if stop:
+                    break
+        if unlogged_updates:
+            log_line("train_inner", "train_inner", epoch=epoch_itr.epoch, update=trainer.num_updates)
+            unlogged_updates = 0
+        if metrics.get_meters("train"):
+            log_line("train", "train", prefix="train_", epoch=epoch_itr.epoch)
         if stop:
             break
         epoch_done = epoch_itr.epoch
@@ -168,13 +182,15 @@ def train_loop(cfg, task, trainer, epoch_itr, checkpoints, sink):
             last_valid = _validate(cfg, task, trainer, epoch_done, sink)
         if not ckpt.no_epoch_checkpoints and epoch_done % ckpt.save_interval == 0:
             checkpoints.save(trainer, epoch_itr)
-    if window.count:
-        log_window()
     if not ds_cfg.disable_validation:
         last_valid = _validate(cfg, task, trainer, epoch_itr.epoch, sink)
     checkpoints.save_at_end(trainer, epoch_itr)
     dist_utils.barrier()
     return last_valid
+
+
+# What `Trainer.train_step` returns besides the values the criterion logged (the divergence check's).
+UPDATE_FACTS = ("sample_size", "ntokens", "gnorm", "step_applied")
 
 
 def _groups(itr, size):
@@ -188,6 +204,8 @@ def _groups(itr, size):
 
 
 def _validate(cfg, task, trainer, epoch, sink):
+    """Each --valid-subset through `validation.validate`: a line of the criterion's keys, prefixed
+    "valid_" as metaseq's; {subset: values} for the closing summary."""
     results = {}
     for subset in [s.strip() for s in cfg.dataset.valid_subset.split(",") if s.strip()]:
         itr = task.get_batch_iterator(
@@ -195,11 +213,11 @@ def _validate(cfg, task, trainer, epoch, sink):
             num_shards=trainer.data_parallel_size, shard_id=trainer.data_parallel_rank, epoch=1,
             num_workers=cfg.dataset.num_workers, data_buffer_size=cfg.dataset.data_buffer_size,
         ).next_epoch_itr()
-        stats = trainer.valid_loss(itr, cfg.dataset.max_valid_steps)
-        results[subset] = stats
+        values = trainer.validate(itr, cfg.dataset.max_valid_steps)
+        results[subset] = values
         sink.log("valid" if subset == "valid" else f"valid_{subset}",
-                 {"epoch": epoch, "valid_loss": stats["loss"], "valid_ppl": stats["ppl"],
-                  "valid_wpb": stats["ntokens"], "num_updates": trainer.num_updates}, trainer.num_updates)
+                 {"epoch": epoch, **{f"valid_{key}": value for key, value in values.items()},
+                  "valid_num_updates": trainer.num_updates}, trainer.num_updates)
     return results
 
 
@@ -221,10 +239,7 @@ def _check_world_size(cfg, world_size: int) -> None:
 
 def _print_next_steps(cfg, last_valid) -> None:
     save_dir = cfg.checkpoint.save_dir
-    lines = []
-    if last_valid:
-        for subset, stats in last_valid.items():
-            lines.append(f"{subset}: loss {stats['loss']:.3f} bits/token, ppl {stats['ppl']:.2f}")
+    lines = [f"{subset}: {_summary(values)}" for subset, values in (last_valid or {}).items() if values]
     if cfg.dataset.demo:
         from metaseq_ds.data.demo_corpus import unigram_entropy
 
@@ -232,6 +247,16 @@ def _print_next_steps(cfg, last_valid) -> None:
     lines.append(f"validate:  mseq validate --path {save_dir}")
     lines.append(f"continue:  rerun the same command with a larger --max-update (resumes from {save_dir}/checkpoint_last)")
     print("\n".join(lines), flush=True)
+
+
+def _summary(values) -> str:
+    """`loss 3.751 bits/token, ppl 13.46` (the README's line, which CI reads), then the criterion's other keys."""
+    from metaseq_ds.logging.progress_bar import format_values
+
+    rest = {key: value for key, value in values.items() if key not in ("loss", "ppl", "wpb", "bsz")}
+    if "loss" not in values or "ppl" not in values:
+        return format_values(values)
+    return f"loss {values['loss']:.3f} bits/token, ppl {values['ppl']:.2f}" + (f" | {format_values(rest)}" if rest else "")
 
 
 if __name__ == "__main__":

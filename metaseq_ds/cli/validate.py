@@ -1,15 +1,16 @@
-"""`mseq validate --path CKPT`: loss (base 2) and perplexity of a checkpoint, per valid subset.
+"""`mseq validate --path CKPT`: the criterion's metrics of a checkpoint (loss in bits, ppl, and
+whatever a plugin criterion logs), per valid subset.
 
 Runs in one process on the consolidated weights (ZeRO shards are gathered), so a checkpoint
-saved by any number of ranks validates anywhere; the loop is training's own
-(`metaseq_ds.validation.validation_loss`).
+saved by any number of ranks validates anywhere; the pass is training's own
+(`metaseq_ds.validation.validate`), so the figures are those of `mseq train`'s valid line.
 """
 
 from typing import Optional
 
 
 def main(path: str, valid_subset: Optional[str], data: Optional[str], batch_size: Optional[int],
-         max_valid_steps: Optional[int]) -> None:
+         max_valid_steps: Optional[int], user_dir: Optional[str] = None) -> None:
     from metaseq_ds.dataclass import DatasetConfig, validate_value
 
     # The run's own fields, so the run's ranges; checked before torch is imported or anything loads.
@@ -18,11 +19,11 @@ def main(path: str, valid_subset: Optional[str], data: Optional[str], batch_size
             validate_value(DatasetConfig, name, value, "--" + name.replace("_", "-"))
 
     from metaseq_ds.checkpoint.inference import load_model_for_inference
-    from metaseq_ds.logging.progress_bar import setup_logging
-    from metaseq_ds.validation import validation_loss
+    from metaseq_ds.logging.progress_bar import format_values, setup_logging
+    from metaseq_ds.validation import validate
 
     setup_logging()
-    cfg, task, model, ref = load_model_for_inference(path, data)
+    cfg, task, model, ref = load_model_for_inference(path, data, user_dir=user_dir)
     meta = ref.meta()
     criterion = task.build_criterion(cfg.criterion)
     for subset in (valid_subset or cfg.dataset.valid_subset).split(","):
@@ -31,6 +32,6 @@ def main(path: str, valid_subset: Optional[str], data: Optional[str], batch_size
             split=subset, batch_size=batch_size or cfg.dataset.batch_size_valid or cfg.dataset.batch_size,
             seed=cfg.common.seed, num_shards=1, shard_id=0, epoch=1,
         ).next_epoch_itr()
-        stats = validation_loss(task, model, criterion, batches, max_valid_steps)
-        print(f"{subset}: loss {stats['loss']:.4f} | ppl {stats['ppl']:.3f} | tokens {int(stats['ntokens'])} | "
-              f"checkpoint {ref.path} (update {meta['num_updates']})", flush=True)
+        values = validate(task, model, criterion, batches, max_valid_steps)
+        print(f"{subset}: {format_values(values) or 'no batches'} | checkpoint {ref.path} (update {meta['num_updates']})",
+              flush=True)

@@ -43,13 +43,14 @@ class CrossEntropyCriterion(BaseCriterion):
         loss_sum = sum(log.get("loss", 0) for log in logging_outputs)
         ntokens = sum(log.get("ntokens", 0) for log in logging_outputs)
         sample_size = sum(log.get("sample_size", 0) for log in logging_outputs)
-        # Divide by ln(2): metaseq reports the loss in bits, and ppl = 2 ** loss.
-        metrics.log_scalar("loss", loss_sum / sample_size / math.log(2), sample_size, round=3)
+        # In bits (divided by ln 2): metaseq reports base 2, and ppl = 2 ** loss. Not rounded to
+        # metaseq's 3 digits: the log's 6 are what tell a resumed run from an unbroken one.
+        metrics.log_scalar("loss", loss_sum / sample_size / math.log(2), sample_size)
         if sample_size != ntokens:
-            metrics.log_scalar("nll_loss", loss_sum / ntokens / math.log(2), ntokens, round=3)
-            metrics.log_derived("ppl", lambda meters: metrics.get_perplexity(meters["nll_loss"].avg))
+            metrics.log_scalar("nll_loss", loss_sum / ntokens / math.log(2), ntokens)
+            metrics.log_derived("ppl", lambda meters: metrics.get_perplexity(meters["nll_loss"].avg, round=None))
         else:
-            metrics.log_derived("ppl", lambda meters: metrics.get_perplexity(meters["loss"].avg))
+            metrics.log_derived("ppl", lambda meters: metrics.get_perplexity(meters["loss"].avg, round=None))
 
     @staticmethod
     def logging_outputs_can_be_summed() -> bool:

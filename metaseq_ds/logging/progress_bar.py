@@ -8,7 +8,7 @@ Values are numbers, not strings. Only rank 0 writes.
 import json
 import logging
 import sys
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 from metaseq_ds.errors import UsageError
 
@@ -25,6 +25,17 @@ def setup_logging(log_file: Optional[str] = None, quiet: bool = False) -> None:
     )
     for noisy in ("DeepSpeed", "deepspeed", "torch.distributed"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def format_values(values: Dict[str, Any]) -> str:
+    """`loss 3.142 | ppl 8.83 | ...`: values for a person to read (the bar, summaries)."""
+    return " | ".join(f"{key} {_readable(value)}" for key, value in values.items())
+
+
+def _readable(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}".rstrip("0").rstrip(".") if abs(value) < 1e6 else f"{value:.4g}"
+    return str(value)
 
 
 def _round(value):
@@ -73,9 +84,10 @@ class StatsSink:
                     self.writer.add_scalar(f"{tag}/{key}", value, step)
             self.writer.flush()
 
-    def advance(self, step: int, loss: float) -> None:
+    def advance(self, step: int, values: Dict[str, Any]) -> None:
+        """The bar at update `step`, showing `values` (what the criterion logged for it)."""
         if self.bar is not None:
-            self.bar.update(self.bar_task, completed=step, stats=f"loss {loss:.3f}")
+            self.bar.update(self.bar_task, completed=step, stats=format_values(values))
 
     def close(self) -> None:
         if self.bar is not None:

@@ -10,6 +10,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from metaseq_ds.logging import metrics
+
 
 class BaseTask:
     """A task configured by its dataclass config `cfg` (the `task` section of the run's config)."""
@@ -71,6 +73,15 @@ class BaseTask:
         return loss, sample_size, logging_output
 
     def reduce_metrics(self, logging_outputs: List[Dict], criterion) -> None:
+        """Log the batch's size and speed (metaseq's wpb, wps, bsz), then the criterion's metrics.
+
+        `logging_outputs` are an update's (or a validation split's), combined over the ranks."""
+        if any("ntokens" in log for log in logging_outputs):
+            ntokens = sum(log.get("ntokens", 0) for log in logging_outputs)
+            metrics.log_scalar("wpb", ntokens, priority=180, round=1)
+            metrics.log_speed("wps", ntokens, priority=90, round=1)
+        if any("nsentences" in log for log in logging_outputs):
+            metrics.log_scalar("bsz", sum(log.get("nsentences", 0) for log in logging_outputs), priority=190, round=1)
         criterion.__class__.reduce_metrics(logging_outputs)
 
     def max_positions(self) -> Optional[int]:
