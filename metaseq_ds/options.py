@@ -12,22 +12,26 @@ other sections) or by one explicit step for what the flags cannot know (`resolve
 the checkpoint a run resumes from). After that the config is read-only: assigning one of
 metaseq_ds's own config fields raises. (Plugin configs stay assignable: fairseq-style plugin
 code often sets fields of its own config while building.)
+
+The end of the file keeps fairseq's and metaseq's parser functions for users' scripts
+(`get_training_parser`, `get_generation_parser`, `parse_args_and_arch`; `gen_parser_from_dataclass`
+is `metaseq_ds.dataclass.utils`'), which parse into an argparse namespace instead.
 """
 
 import argparse
-import ast
 import dataclasses
 import json
 import math
-import typing
+import sys
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from metaseq_ds.dataclass import (
     COMPONENT_SECTIONS, FIXED_SECTIONS, MetaseqConfig, make_read_only, validate_config, validate_value,
 )
-from metaseq_ds.dataclass.constraints import describe_range, field_types, plain_type, strip_optional
+from metaseq_ds.dataclass.constraints import field_types, plain_type
+from metaseq_ds.dataclass.utils import field_help, flag, gen_parser_from_dataclass, option_names, value_from_text
 from metaseq_ds.errors import UsageError
 from metaseq_ds.registry import Registry, closest
 
@@ -81,10 +85,6 @@ class RunContext:
     restored_padding_factor: Optional[int] = None
 
 
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def component_registries() -> Dict[str, Registry]:
     """The registries, imported here because they pull in torch (not on the `--help` path)."""
     from metaseq_ds import criterions, model_parallel, models, optim, tasks
@@ -99,6 +99,15 @@ def component_registries() -> Dict[str, Registry]:
         "optimizer": optim.OPTIMIZER_REGISTRY,
         "lr_scheduler": lr_scheduler.LR_SCHEDULER_REGISTRY,
     }
+
+
+def import_plugins(user_dir: Optional[str]) -> None:
+    """Import the `--user-dir` package, if any, so that its components are registered."""
+    if user_dir:
+        from metaseq_ds.user_code import import_user_module, install_compat_if_asked
+
+        install_compat_if_asked()  # plugins that `import fairseq`, under any launcher
+        import_user_module(user_dir)
 
 
 def parse_train_config(argv: Sequence[str]) -> MetaseqConfig:
@@ -118,12 +127,7 @@ class TrainArgumentParser:
         known, _ = pre.parse_known_args(self.argv)
         self.config_file = known.config
         self.file_values = load_config_file(Path(known.config)) if known.config else {}
-        user_dir = known.user_dir or self.file_values.get("user_dir")
-        if user_dir:
-            from metaseq_ds.user_code import import_user_module, install_compat_if_asked
-
-            install_compat_if_asked()  # plugins that `import fairseq`, under any launcher
-            import_user_module(user_dir)
+        import_plugins(known.user_dir or self.file_values.get("user_dir"))
         self.registries = component_registries()
         from metaseq_ds import models
 
@@ -226,20 +230,24 @@ def _is_negative_number(token: str) -> bool:
     return True
 
 
-def section_classes(choice: Mapping[str, str]) -> Dict[str, type]:
-    """The config class of every section, for chosen components ({"task": ..., "arch": ..., ...})."""
+def model_of_arch(arch: str) -> str:
+    """The registered model that `--arch arch` builds."""
     from metaseq_ds import models
 
-    registries = component_registries()
-    arch = choice["arch"]
     if arch not in models.ARCH_MODEL_REGISTRY:
         raise UsageError(
             f"--arch: unknown architecture {arch!r}{closest(arch, models.ARCH_MODEL_REGISTRY)} "
             f"(choose from {', '.join(sorted(models.ARCH_MODEL_REGISTRY))})"
         )
+    return models.ARCH_MODEL_REGISTRY[arch]
+
+
+def section_classes(choice: Mapping[str, str]) -> Dict[str, type]:
+    """The config class of every section, for chosen components ({"task": ..., "arch": ..., ...})."""
+    registries = component_registries()
     classes = {name: MetaseqConfig.__dataclass_fields__[name].default_factory for name in FIXED_SECTIONS}
     for section in COMPONENT_SECTIONS:
-        key = models.ARCH_MODEL_REGISTRY[arch] if section == "model" else choice[section]
+        key = model_of_arch(choice["arch"]) if section == "model" else choice[section]
         entry = registries[section].get(key)
         if entry.dataclass is None:
             raise UsageError(f"{registries[section].flag} {key!r} has no config dataclass")
@@ -267,7 +275,7 @@ def _typed(classes: Dict[str, type], explicit: Dict[str, Any]) -> Dict[str, Any]
     """`explicit` with the command line's strings as their fields' types, for the architecture's
     function: fairseq's computed with argparse's typed values (`args.decoder_embed_dim * 4`)."""
     owners = {f.name: cls for cls in reversed(list(classes.values())) for f in dataclasses.fields(cls)}
-    return {name: validate_value(owners[name], name, _from_text(value, field_types(owners[name])[name]), flag(name))
+    return {name: validate_value(owners[name], name, value_from_text(value, field_types(owners[name])[name]), flag(name))
             if name in owners else value for name, value in explicit.items()}
 
 
@@ -313,7 +321,7 @@ def _section_values(cls: type, explicit: Dict[str, Any], resolved: Dict[str, Any
     types = field_types(cls)
     for f in dataclasses.fields(cls):
         if f.name in explicit:
-            values[f.name] = _from_text(explicit[f.name], types[f.name])
+            values[f.name] = value_from_text(explicit[f.name], types[f.name])
         else:  # a shared field takes the resolved value of the fixed section that owns the name
             for section in FIXED_SECTIONS:
                 if section in resolved and f.name in resolved[section].__dataclass_fields__:
@@ -322,43 +330,19 @@ def _section_values(cls: type, explicit: Dict[str, Any], resolved: Dict[str, Any
     return values
 
 
-def _from_text(value: Any, annotation: Any) -> Any:
-    """Command-line strings for tuples/lists/None become Python values; pydantic does the rest."""
-    if not isinstance(value, str):
-        return value
-    if value in ("None", "none") and strip_optional(annotation) is not annotation:
-        return None
-    base = plain_type(annotation)
-    if typing.get_origin(base) in (tuple, list, typing.Tuple, typing.List) or base in (tuple, list):
-        try:
-            parsed = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            parsed = [part.strip() for part in value.split(",")]
-        return list(parsed) if isinstance(parsed, (tuple, list)) else [parsed]
-    return value
-
-
 def _add_field_argument(group, f: dataclasses.Field, cls: type) -> None:
-    names = [flag(f.name)]
-    if f.name == "local_rank":  # the deepspeed launcher passes --local_rank=N
-        names.append("--local_rank")
+    """An option that keeps the command line's text (checked with the other values in `build_config`)."""
     if f.name == "data" and cls.__name__ != "DatasetConfig":
         group.add_argument("data", nargs="?", help=f.metadata.get("help", ""))
         return
-    help_text = f.metadata.get("help", "") + describe_range(cls, f.name)
-    annotation = plain_type(field_types(cls)[f.name])
-    if annotation is bool:
-        group.add_argument(*names, action="store_true", help=help_text)
+    help_text = field_help(cls, f)
+    if plain_type(field_types(cls)[f.name]) is bool:
+        group.add_argument(*option_names(f.name), action="store_true", help=help_text)
         return
     default = f.default if f.default is not dataclasses.MISSING else (
         f.default_factory() if f.default_factory is not dataclasses.MISSING else None
     )
-    choices = typing.get_args(annotation) if typing.get_origin(annotation) is typing.Literal else None
-    if choices:
-        help_text += f" (one of: {', '.join(map(str, choices))})"
-    elif isinstance(annotation, type) and issubclass(annotation, __import__("enum").Enum):
-        help_text += f" (one of: {', '.join(str(m.value) for m in annotation)})"
-    group.add_argument(*names, metavar=f.name.upper(), help=f"{help_text} [default: {default}]")
+    group.add_argument(*option_names(f.name), metavar=f.name.upper(), help=f"{help_text} [default: {default}]")
 
 
 def derive(cfg: MetaseqConfig) -> MetaseqConfig:
@@ -454,3 +438,127 @@ def _yaml_load(text: str) -> Any:
         return yaml.safe_load(text)
     except yaml.YAMLError as error:
         raise ValueError(str(error)) from None
+
+
+# ---- fairseq's and metaseq's parser functions, for users' scripts ------------------------------
+#
+#     parser = options.get_training_parser()
+#     parser.add_argument("--my-option")
+#     args = options.parse_args_and_arch(parser)  # args.lr, args.decoder_layers (the arch's), args.my_option
+#
+# `mseq train` does not use them: it parses into a validated MetaseqConfig (`parse_train_config`).
+
+CHOOSERS = ("task", "criterion", "optimizer", "lr_scheduler")  # get_parser's; get_training_parser adds --arch
+
+
+def get_parser(desc: str, default_task: str = DEFAULT_COMPONENTS["task"]) -> argparse.ArgumentParser:
+    """The common options and the component choosers (`--task`, `--criterion`, `--optimizer`,
+    `--lr-scheduler`); `parse_args_and_arch` adds the chosen components' options."""
+    parser = argparse.ArgumentParser(description=desc, allow_abbrev=False)
+    _add_sections(parser, ["common"])
+    defaults = {**DEFAULT_COMPONENTS, "task": default_task}
+    for name in CHOOSERS:
+        parser.add_argument(flag(name), metavar=name.upper(), default=defaults[name], help=f"default {defaults[name]}")
+    return parser
+
+
+def get_training_parser(default_task: str = DEFAULT_COMPONENTS["task"]) -> argparse.ArgumentParser:
+    """`get_parser` with the dataset, distributed training, model (`--arch`), optimization and
+    checkpoint options."""
+    parser = get_parser("Trainer", default_task)
+    _add_sections(parser, ["dataset", "distributed_training"])
+    parser.add_argument_group("model").add_argument(
+        "--arch", "-a", metavar="ARCH", default=DEFAULT_COMPONENTS["arch"], help=f"default {DEFAULT_COMPONENTS['arch']}")
+    _add_sections(parser, ["optimization", "checkpoint"])
+    return parser
+
+
+def get_generation_parser(default_task: str = DEFAULT_COMPONENTS["task"], interactive: bool = False) -> argparse.ArgumentParser:
+    """`get_parser` with the dataset, distributed training, generation (metaseq's flags, which
+    `task.build_generator` reads) and checkpoint options; `interactive` adds `--buffer-size` and
+    `--input`. The model comes from the checkpoint: there is no `--arch`."""
+    from metaseq_ds.dataclass.configs import GenerationConfig, InteractiveConfig
+
+    parser = get_parser("Generation", default_task)
+    _add_sections(parser, ["dataset", "distributed_training"])
+    gen_parser_from_dataclass(parser.add_argument_group("generation"), GenerationConfig())
+    _add_sections(parser, ["checkpoint"])
+    if interactive:
+        gen_parser_from_dataclass(parser.add_argument_group("interactive"), InteractiveConfig())
+    return parser
+
+
+def _add_sections(parser: argparse.ArgumentParser, names: Sequence[str]) -> None:
+    for name in names:
+        gen_parser_from_dataclass(parser.add_argument_group(name), MetaseqConfig.__dataclass_fields__[name].default_factory())
+
+
+def parse_args_and_arch(parser: argparse.ArgumentParser, input_args: Optional[Sequence[str]] = None,
+                        parse_known: bool = False, suppress_defaults: bool = False,
+                        modify_parser: Optional[Callable[[argparse.ArgumentParser], None]] = None):
+    """metaseq's two passes: find the chosen components (importing `--user-dir` first), add their
+    options to `parser`, parse again, then let `--arch` fill the model options not given (those it
+    leaves take the model config's defaults).
+
+    Returns an argparse namespace, each value parsed and checked by its field's type and range;
+    with `parse_known`, also the arguments not understood. `suppress_defaults`: only the values
+    the command line gives. `modify_parser(parser)` runs before each pass (to change defaults).
+    `input_args` defaults to the command line.
+    """
+    argv = _negative_values_attached(sys.argv[1:] if input_args is None else input_args)
+    if suppress_defaults:
+        full, _ = parse_args_and_arch(parser, argv, parse_known=True, modify_parser=modify_parser)
+        unset = argparse.Namespace(**{name: None for name in vars(full)})  # what stays None was not given
+        given, extra = parser.parse_known_args(argv, unset) if parse_known else (parser.parse_args(argv, unset), None)
+        args = argparse.Namespace(**{name: value for name, value in vars(given).items() if value is not None})
+        return (args, extra) if parse_known else args
+    user_dir = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    user_dir.add_argument("--user-dir")
+    import_plugins(user_dir.parse_known_args(argv)[0].user_dir)
+    if modify_parser is not None:
+        modify_parser(parser)
+    known, _ = parser.parse_known_args(argv)
+    chosen = {name: vars(known)[name] for name in DEFAULT_COMPONENTS if name in vars(known)}
+    model_config = _add_component_options(parser, chosen)
+    if modify_parser is not None:
+        modify_parser(parser)
+    args, extra = parser.parse_known_args(argv) if parse_known else (parser.parse_args(argv), None)
+    if "arch" in chosen:
+        _apply_arch(args, model_config)
+    return (args, extra) if parse_known else args
+
+
+def _add_component_options(parser: argparse.ArgumentParser, chosen: Mapping[str, str]) -> Optional[type]:
+    """Add the options of the components in `chosen` (by chooser name); the model's config class.
+
+    A component class with an `add_args` (fairseq-style; `BaseTask`'s adds its config's) adds its
+    own. The model's options have no defaults here, so that the arch can fill those not given."""
+    registries = component_registries()
+    model_config = None
+    if "arch" in chosen:
+        model = registries["model"].get(model_of_arch(chosen["arch"]))
+        model_config = model.dataclass
+        group = parser.add_argument_group("model-specific configuration", argument_default=argparse.SUPPRESS)
+        _add_component(group, model, delete_default=True)
+    for name in CHOOSERS:
+        if name in chosen:
+            _add_component(parser, registries[name].get(chosen[name]), delete_default=False)
+    return model_config
+
+
+def _add_component(parser, entry, delete_default: bool) -> None:
+    if hasattr(entry.cls, "add_args"):
+        entry.cls.add_args(parser)
+    elif entry.dataclass is not None:
+        gen_parser_from_dataclass(parser, entry.dataclass(), delete_default=delete_default)
+
+
+def _apply_arch(args: argparse.Namespace, model_config: Optional[type]) -> None:
+    """The arch's defaults for the model options not given, then the model config's for the rest."""
+    from metaseq_ds import models
+
+    vars(args).update(models.arch_defaults(args.arch, vars(args)))
+    if model_config is not None:
+        defaults = model_config()
+        for f in dataclasses.fields(defaults):
+            vars(args).setdefault(f.name, getattr(defaults, f.name))

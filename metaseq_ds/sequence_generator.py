@@ -4,6 +4,7 @@ over any decoder that follows the incremental decoding API of `metaseq_ds.models
     options = GenerationOptions(max_tokens=32, temperature=0.7, top_p=0.9, seed=1)
     generator = SequenceGenerator([model], task.dictionary, options)
     # or metaseq's keywords: SequenceGenerator([model], task.dictionary, max_new_tokens=32, temperature=0.7, topp=0.9)
+    # or metaseq's generation flags (task.build_generator): options_from_generation_config(args)
     hypos = generator.generate([model], [[2, 713, 16], [2, 9]])  # prompts: token ids, any lengths
     hypos[i][0]["tokens"], hypos[i][0]["positional_scores"], hypos[i][0]["finish_reason"]
 
@@ -29,12 +30,16 @@ early-stopping heuristic, so both give the same tokens. Stop strings do not stee
 search: `GeneratorInterface` cuts the finished beams' text at them afterwards.
 """
 
+import dataclasses
 import math
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Union
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
+from metaseq_ds.dataclass import validate_config
+from metaseq_ds.dataclass.configs import GenerationConfig
+from metaseq_ds.dataclass.utils import flag
 from metaseq_ds.errors import UsageError
 from metaseq_ds.generation_options import GenerationOptions, StopItem
 from metaseq_ds.incremental_decoding_utils import reserve_positions
@@ -140,6 +145,32 @@ def options_from_keywords(
     if options.beams < options.best_of:  # beams at temperature > 0 would become best_of samples
         raise UsageError("beam search is deterministic: use temperature 0 with a beam size > 1")
     return options
+
+
+# The GenerationOptions field each of metaseq's generation flags sets, to name them in errors.
+METASEQ_GENERATION_FLAGS = {"n": "--beam", "best_of": "--beam", "max_tokens": "--max-len-b", "min_tokens": "--min-len",
+                            "temperature": "--temperature", "top_p": "--sampling-topp", "top_k": "--sampling-topk",
+                            "length_penalty": "--lenpen"}
+
+
+def options_from_generation_config(args: Any) -> GenerationOptions:
+    """`GenerationOptions` from metaseq's generation flags: `args` is a `GenerationConfig`, or any
+    object (an argparse namespace, a metaseq `cfg.generation`) whose attributes named as its fields
+    are read, the others taking GenerationConfig's defaults.
+
+    As in metaseq, `--beam` completions are returned and the temperature decides: above 0 they
+    are independent samples, at 0 the beams of a beam search (metaseq's were copies of one greedy
+    completion); `--sampling-topp` needs `--sampling`. Lengths count new tokens only.
+    """
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(GenerationConfig) if hasattr(args, f.name)}
+    cfg = validate_config(GenerationConfig, given, flag_of=flag)
+    if not cfg.sampling and (cfg.sampling_topp > 0 or cfg.sampling_topk > 0):
+        raise UsageError("--sampling-topp and --sampling-topk require --sampling")
+    return GenerationOptions.from_values({
+        "n": cfg.beam, "best_of": cfg.beam, "max_tokens": cfg.max_len_b, "min_tokens": cfg.min_len,
+        "temperature": cfg.temperature, "top_p": cfg.sampling_topp if cfg.sampling_topp > 0 else 1.0,
+        "top_k": max(cfg.sampling_topk, 0), "length_penalty": cfg.lenpen,
+    }, name=lambda field: METASEQ_GENERATION_FLAGS.get(field, field))
 
 
 class Limits(NamedTuple):

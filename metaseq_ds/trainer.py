@@ -215,6 +215,7 @@ class Trainer:
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "metrics": metrics.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+            "task_state": self.task.state_dict(),
         }
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -226,3 +227,5 @@ class Trainer:
             metrics.load_state_dict(state["metrics"])
         torch.set_rng_state(state["rng"]["torch"])
         random.setstate(state["rng"]["python"])
+        if "task_state" in state:  # absent from checkpoints saved before tasks kept state
+            self.task.load_state_dict(state["task_state"])

@@ -1,7 +1,7 @@
 """What a checkpoint of any layout holds, read lazily: the model's weights and the trainer's state.
 
     weights = lazy_model_weights(ref)     # name -> a tensor read by `.contiguous()`, tied names one object
-    state = saved_client_state(ref, Layout.of_checkpoint(meta), meta)   # updates, LR schedule, meters, data position
+    state = saved_client_state(ref, Layout.of_checkpoint(meta), meta)   # updates, LR schedule, meters, data position, task state
 
 ZeRO shards are consolidated through DeepSpeed's zero_to_fp32 workers
 (`private_apis.deepspeed_checkpoints`), tensor-parallel parts joined on our partition dimensions
@@ -85,4 +85,7 @@ def saved_client_state(ref: CheckpointRef, saved: Layout, meta: Dict[str, Any]) 
         return safe_load(ref.path / CLIENT_STATE, map_location="cpu")
     states_file = "zero_pp_rank_0_mp_rank_00_model_states.pt" if saved.zero_stage == 3 else "mp_rank_00_model_states.pt"
     states = safe_load(ref.path / states_file, map_location="cpu", mmap=True)
-    return {key: states[key] for key in ("num_updates", "lr_scheduler", "metrics", "rng", "iterator")}
+    client_state = {key: states[key] for key in ("num_updates", "lr_scheduler", "metrics", "rng", "iterator")}
+    if "task_state" in states:  # absent from checkpoints saved before tasks kept state
+        client_state["task_state"] = states["task_state"]
+    return client_state

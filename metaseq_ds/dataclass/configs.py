@@ -143,6 +143,46 @@ class CheckpointConfig(MetaseqDataclass):
     reset_meters: bool = field(default=False, metadata={"help": "when restoring, reset the meters"})
 
 
+# Not sections of a training run: the flags of scripts built on `options.get_generation_parser`.
+@dataclass
+class GenerationConfig(MetaseqDataclass):
+    """metaseq's generation flags; `BaseTask.build_generator` turns them into `GenerationOptions`
+    (which `mseq generate` takes directly, under the OpenAI names)."""
+
+    path: Optional[str] = field(default=None, metadata={"help": "the checkpoint to generate with (metaseq's --path)"})
+    beam: PositiveInt = field(
+        default=5,
+        metadata={"help": "completions per prompt, best first: the beams of a beam search at --temperature 0, "
+                          "independent samples above it (as metaseq's --beam)"},
+    )
+    max_len_b: PositiveInt = field(
+        default=200, metadata={"help": "at most N new tokens (metaseq counted the prompt in this length too)"}
+    )
+    min_len: NonNegativeInt = field(default=1, metadata={"help": "at least N new tokens before </s> may end a completion"})
+    sampling: bool = field(
+        default=False,
+        metadata={"help": "allow --sampling-topp / --sampling-topk (the temperature decides between sampling and search)"},
+    )
+    sampling_topp: float = field(
+        default=-1.0, metadata={"help": "sample from the most probable tokens up to this mass, in (0, 1] (-1: off)"}
+    )
+    sampling_topk: int = field(default=-1, metadata={"help": "sample among the K most probable tokens (-1: off)"})
+    temperature: NonNegativeFloat = field(
+        default=1.0, metadata={"help": "sampling temperature; 0 decodes greedily (beam search with --beam > 1)"}
+    )
+    lenpen: float = field(default=1.0, metadata={"help": "beam scores are divided by length ** this"})
+
+
+@dataclass
+class InteractiveConfig(MetaseqDataclass):
+    """fairseq's interactive flags (`options.get_generation_parser(interactive=True)`)."""
+
+    buffer_size: NonNegativeInt = field(
+        default=0, metadata={"help": "read this many prompts into a buffer before generating"}
+    )
+    input: str = field(default="-", metadata={"help": "file to read prompts from (-: standard input)"})
+
+
 @dataclass
 class MetaseqConfig(MetaseqDataclass):
     """A whole run's config. The component sections hold the chosen component's dataclass."""

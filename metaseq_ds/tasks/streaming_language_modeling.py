@@ -188,6 +188,10 @@ class StreamingLanguageModelingTask(LegacyTask):
     def max_positions(self) -> int:
         return self.args.tokens_per_sample
 
+    def build_bpe(self, args=None):
+        """The tokenizer this task's flags chose (`args`, metaseq's `cfg.bpe`, chooses nothing here)."""
+        return self.tokenizer
+
     @property
     def source_dictionary(self) -> Dictionary:
         return self.dictionary
