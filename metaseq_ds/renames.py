@@ -134,6 +134,42 @@ NOT_PROVIDED: Dict[str, str] = {
     "utils.CudaEnvironment": "only logged per-worker GPU details",
     "utils.swiglu": "a gated activation needs a second linear layer: not a function of one tensor",
     "utils.geglu": "a gated activation needs a second linear layer: not a function of one tensor",
+    "options.get_eval_lm_parser": "`mseq validate --path CKPT` evaluates a checkpoint",
+    "options.get_validation_parser": "`mseq validate --path CKPT` evaluates a checkpoint",
+    "options.get_preprocessing_parser": "no binarisation step: `mseq preprocess` tokenizes jsonl into token stores",
+    "options.get_interactive_generation_parser": "`mseq generate` reads prompts from stdin or a file; "
+    "options.get_generation_parser is provided",
+    "options.add_dataset_args": "flags come from the config dataclasses: "
+    "options.gen_parser_from_dataclass(parser, config) adds a section's",
+    "options.add_distributed_training_args": "flags come from the config dataclasses: "
+    "options.gen_parser_from_dataclass(parser, config) adds a section's",
+    "options.add_optimization_args": "flags come from the config dataclasses: "
+    "options.gen_parser_from_dataclass(parser, config) adds a section's",
+    "options.add_checkpoint_args": "flags come from the config dataclasses: "
+    "options.gen_parser_from_dataclass(parser, config) adds a section's",
+    "options.add_model_args": "flags come from the config dataclasses: "
+    "options.gen_parser_from_dataclass(parser, config) adds a section's",
+    "options.add_generation_args": "flags come from the config dataclasses: "
+    "options.gen_parser_from_dataclass(parser, config) adds a section's",
+    "dataclass.utils.convert_namespace_to_omegaconf": "no OmegaConf: options.parse_train_config(argv) gives the "
+    "validated config that setup_task and build_model take",
+}
+
+# Members of the old base classes that metaseq_ds's leave out: `mseq migrate` cannot see a
+# method called on `self`, so these are listed in docs/migration.md only.
+NOT_PROVIDED_MEMBERS: Dict[str, str] = {
+    "tasks.FairseqTask.build_dataset_for_inference": "seq2seq (source sentences to translate)",
+    "tasks.FairseqTask.get_interactive_tokens_and_lengths": "needs Dictionary.encode_line; the task's tokenizer "
+    "(task.tokenize) replaces it",
+    "tasks.FairseqTask.get_batch_iterator(dataset, max_tokens, ...)": "the old signature: metaseq_ds's iterator is "
+    "per split (task.get_batch_iterator(split, batch_size, ...)) and resumes by seeking",
+    "tasks.FairseqTask.dataset_to_epoch_iter / can_reuse_epoch_itr": "the same iterator, per split",
+    "tasks.FairseqTask.optimizer_step": "the DeepSpeed engine owns the step",
+    "tasks.FairseqTask.aggregate_logging_outputs": "fairseq's legacy path; reduce_metrics is called (metaseq's)",
+    "tasks.FairseqTask.build_generator: diverse beam, constraints, prefix_allowed_tokens_fn, SequenceScorer, "
+    "no_repeat_ngram_size, --max-len-a": "seq2seq search and scoring options that metaseq's generator ignores too",
+    "models.transformer_lm.base_lm_architecture: decoder_normalize_before": "fairseq's forced pre-LN "
+    "(decoder_normalize_before = True); metaseq's and ours leave it to the architecture: set it in yours",
 }
 
 # Command lines of fairseq's and metaseq's console scripts that `mseq` replaces.

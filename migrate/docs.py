@@ -9,7 +9,9 @@
 import sys
 from pathlib import Path
 
-from metaseq_ds.renames import CLASS_RENAMES, COMMAND_RENAMES, MODULE_MOVES, NOT_PROVIDED, PACKAGE_RENAMES
+from metaseq_ds.renames import (
+    CLASS_RENAMES, COMMAND_RENAMES, MODULE_MOVES, NOT_PROVIDED, NOT_PROVIDED_MEMBERS, PACKAGE_RENAMES,
+)
 
 DOC_PATH = Path(__file__).resolve().parent.parent / "docs" / "migration.md"
 
@@ -93,6 +95,14 @@ def render() -> str:
         "|---|---|",
     ]
     lines += [f"| `{old}` | {reason} |" for old, reason in NOT_PROVIDED.items()]
+    lines += [
+        "",
+        "Members of the old base classes, which `mseq migrate` cannot see in use (they are called on `self`):",
+        "",
+        "| old member | why, and what to use |",
+        "|---|---|",
+    ]
+    lines += [f"| `{old}` | {reason} |" for old, reason in NOT_PROVIDED_MEMBERS.items()]
     lines += ["", "## Command lines (`--shell`)", "", "| old | new |", "|---|---|"]
     lines += [f"| `{old}` | `{new}` |" for old, new in COMMAND_RENAMES.items()]
     lines += ["", "## Reported items: what to do", ""]

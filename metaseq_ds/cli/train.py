@@ -150,6 +150,7 @@ def train_loop(cfg, task, trainer, epoch_itr, checkpoints, sink):
         if opt.max_epoch and epoch_itr.epoch > opt.max_epoch:
             break
         itr = epoch_itr.next_epoch_itr()
+        task.begin_epoch(epoch_itr.epoch, trainer.engine.module)
         stop = False
         with metrics.aggregate("train"):
             for samples in _groups(itr, opt.update_freq):
@@ -207,6 +208,7 @@ def _validate(cfg, task, trainer, epoch, sink):
     """Each --valid-subset through `validation.validate`: a line of the criterion's keys, prefixed
     "valid_" as metaseq's; {subset: values} for the closing summary."""
     results = {}
+    task.begin_valid_epoch(epoch, trainer.engine.module)
     for subset in [s.strip() for s in cfg.dataset.valid_subset.split(",") if s.strip()]:
         itr = task.get_batch_iterator(
             split=subset, batch_size=cfg.dataset.batch_size_valid or cfg.dataset.batch_size, seed=cfg.common.seed,
