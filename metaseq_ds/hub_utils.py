@@ -39,11 +39,13 @@ LIMITS = ("min_tokens", "max_tokens")
 class GeneratorInterface:
     """Generation from one checkpoint (`path`), or from a model and task already in memory."""
 
-    def __init__(self, path: Optional[str] = None, model=None, task=None):
+    def __init__(self, path: Optional[str] = None, model=None, task=None, compile: Optional[bool] = None):
+        """`compile`: compile the decoding step (see `static_decoding.should_compile`; None: on CUDA only)."""
         if (path is None) == (model is None):
             raise ValueError("give either a checkpoint path or a model and its task")
         self.path = path
         self.model, self.task = model, task
+        self.compile = compile
 
     def load_model(self):
         """Load the checkpoint (once); returns `[model]` as metaseq's did."""
@@ -149,7 +151,8 @@ class GeneratorInterface:
             seed = shared.seed if shared.seed is not None else int.from_bytes(os.urandom(4), "little")
             shared = shared.replace(seed=_rank0_value(seed))
         prompts = [self.encode(p, i) for i, p in enumerate(inputs)]
-        generator = SequenceGenerator([self.model], self.dictionary, shared, decode=self.tokenizer.decode)
+        generator = SequenceGenerator([self.model], self.dictionary, shared, decode=self.tokenizer.decode,
+                                      compile=self.compile)
         hypos = generator.generate([self.model], prompts, stream=stream, min_tokens=[o.min_tokens for o in options],
                                    max_tokens=[o.max_tokens for o in options])
         return [[self._result(h, shared) for h in prompt_hypos] for prompt_hypos in hypos]

@@ -37,6 +37,7 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Un
 import torch
 from torch import nn
 
+from metaseq_ds import static_decoding
 from metaseq_ds.dataclass import validate_config
 from metaseq_ds.dataclass.configs import GenerationConfig
 from metaseq_ds.dataclass.utils import flag
@@ -45,6 +46,10 @@ from metaseq_ds.generation_options import GenerationOptions, StopItem
 from metaseq_ds.incremental_decoding_utils import reserve_positions
 
 EOS, STOP, LENGTH = "eos", "stop", "length"
+# Steps between the static path's reads of the new tokens (greedy, not streaming): a read waits
+# for the device, so rarer reads let it run ahead; at most SYNC_EVERY - 1 steps are wasted when
+# every row has already finished.
+SYNC_EVERY = 8
 NEG_INF = float("-inf")
 NOT_A_BEAM = -1.0e9  # Hugging Face's score for beams that must not be chosen (keeps ranks identical)
 
@@ -79,6 +84,23 @@ def left_pad(prompts: Sequence[Sequence[int]], pad: int) -> torch.Tensor:
     for row, prompt in enumerate(prompts):
         tokens[row, width - len(prompt):] = torch.as_tensor(list(prompt), dtype=torch.long)
     return tokens
+
+
+def right_pad(prompts: Sequence[Sequence[int]], pad: int) -> torch.Tensor:
+    """(B, T) LongTensor, each prompt left-aligned before `pad`s."""
+    width = max(len(p) for p in prompts)
+    tokens = torch.full((len(prompts), width), pad, dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        tokens[row, :len(prompt)] = torch.as_tensor(list(prompt), dtype=torch.long)
+    return tokens
+
+
+def add_prompt_info(hypos: List[List[Hypothesis]], prompt_info: Optional[List[Dict[str, torch.Tensor]]]) -> None:
+    """Give each row's hypotheses its prompt's scores (echo)."""
+    if prompt_info is not None:
+        for row_hypos, info in zip(hypos, prompt_info):
+            for hypo in row_hypos:
+                hypo.update(info)
 
 
 class StopCriteria:
@@ -201,7 +223,8 @@ class SequenceGenerator(nn.Module):
     """
 
     def __init__(self, models: Sequence[nn.Module], tgt_dict, options: Optional[GenerationOptions] = None, *,
-                 decode: Optional[Callable[[List[int]], str]] = None, **metaseq_keywords):
+                 decode: Optional[Callable[[List[int]], str]] = None, compile: Optional[bool] = None,
+                 static_cache: bool = True, **metaseq_keywords):
         super().__init__()
         if options is None:
             options = options_from_keywords(**metaseq_keywords)
@@ -214,6 +237,8 @@ class SequenceGenerator(nn.Module):
         self.decoder = self.model.decoder if hasattr(self.model, "decoder") else self.model
         self.pad, self.eos = tgt_dict.pad(), tgt_dict.eos()
         self.stop = StopCriteria(options.stop, decode)
+        self.compile = compile
+        self.static_cache = static_cache
 
     @torch.no_grad()
     def generate(self, models, sample, stream: Optional[StreamCallback] = None, *,
@@ -246,19 +271,19 @@ class SequenceGenerator(nn.Module):
         maxs = [min(limit, room) for limit in _per_prompt(max_tokens, self.options.max_tokens, len(prompts), "max_tokens")]
         # Each row's limits (a prompt's samples are `copies` consecutive rows).
         limits = Limits([m for m in mins for _ in range(copies)], [m for m in maxs for _ in range(copies)])
+        if self.options.beams == 1 and self.static_cache and static_decoding.supports(self.decoder):
+            hypos = self._decode_static(rows, limits, device, stream)
+            return [self._best(hypos[i * copies:(i + 1) * copies]) for i in range(len(prompts))]
         state: Dict = {}
         reserve_positions(state, tokens.size(1) + max(maxs))  # the KV cache is allocated once
         features, extra = self.decoder.extract_features(tokens, incremental_state=state)
-        prompt_info = self._score_prompts(features, extra, tokens, rows) if self.options.echo else None
+        prompt_info = self._score_prompts(features, extra, tokens, rows, right_padded=False) if self.options.echo else None
         logits = self._next_log_probs(features, extra)
         if self.options.beams > 1:
             hypos = self._beam_search(tokens, state, logits, limits)  # the finished beams of each row
         else:
             hypos = self._sample(tokens, state, logits, limits, device, stream)  # one per row
-        if prompt_info is not None:
-            for row_hypos, info in zip(hypos, prompt_info):
-                for hypo in row_hypos:
-                    hypo.update(info)
+        add_prompt_info(hypos, prompt_info)
         return [self._best(hypos[i * copies:(i + 1) * copies]) for i in range(len(prompts))]
 
     def _best(self, rows_hypos: List[List[Hypothesis]]) -> List[Hypothesis]:
@@ -315,15 +340,7 @@ class SequenceGenerator(nn.Module):
             if self.options.temperature == 0:
                 chosen = allowed.argmax(dim=-1)  # (A,)
             else:
-                # log-probs differ from the logits by a constant per row: same softmax. Each row is
-                # shifted to a maximum of 0 and scaled by a finite 1 / temperature, so that a tiny
-                # temperature leaves its best token at 0 and sends the others to -inf (greedy), not
-                # every token to -inf (a NaN softmax).
-                shifted = allowed - allowed.max(dim=-1, keepdim=True).values
-                scaled = shifted * min(1 / self.options.temperature, torch.finfo(shifted.dtype).max)
-                masked = top_k_mask(scaled, self.options.top_k)
-                masked = top_p_mask(masked, self.options.top_p)
-                chosen = torch.multinomial(masked.softmax(dim=-1), 1, generator=rng).squeeze(1)
+                chosen = self._draw(allowed, rng)
             chosen_scores = lprobs.gather(1, chosen[:, None]).squeeze(1).tolist()
             if self.options.logprobs:
                 top_values, top_ids = self._top(lprobs)
@@ -348,6 +365,99 @@ class SequenceGenerator(nn.Module):
                 rows = [rows[i] for i in keep]
             lprobs = self._step(tokens, state)
         return [[self._hypothesis(new_tokens[r], scores[r], tops[r], reasons[r])] for r in range(batch)]
+
+    def _decode_static(self, rows: List[List[int]], limits: Limits, device, stream) -> List[List[Hypothesis]]:
+        """Greedy decoding or sampling on a `StaticKVCache`: the prompts prefilled (right-padded,
+        eagerly), then the compiled step for every slot at once until every row has finished.
+
+        Rows that finish go on decoding (their tokens are dropped) so that the step keeps its
+        shape; slots beyond the rows (a bucket's rounding) decode a copy of row 0. The device is
+        waited for only every SYNC_EVERY steps, to read the new tokens and see which rows have
+        finished (each step when sampling, which draws for the rows still going, as the
+        incremental path does, or when streaming).
+        """
+        decoding = static_decoding.StaticDecoding.of(self.decoder, compile=static_decoding.should_compile(self.compile, device))
+        count, longest = len(rows), max(len(row) for row in rows)
+        max_new = max(limits.max)
+        cache = decoding.cache(count, longest + max_new)
+        slots = cache.slots
+        filled = rows + [rows[0]] * (slots - count)
+        tokens = right_pad(filled, self.pad).to(device)  # (S, W)
+        lengths = torch.tensor([len(row) for row in filled], device=device)
+        features, extra = decoding.prefill(cache, tokens)
+        prompt_info = self._score_prompts(features[:count], extra, tokens[:count], rows, right_padded=True) \
+            if self.options.echo else None
+        last = features[torch.arange(slots, device=device), lengths - 1]  # (S, C)
+        lprobs = self._next_log_probs(last[:, None], extra)  # (S, V)
+
+        banned = torch.tensor([self.pad], device=device)
+        end_tokens = torch.tensor([self.eos, *self.stop.single_tokens], device=device)
+        least = torch.tensor(limits.min + [0] * (slots - count), device=device)
+
+        out_tokens = torch.full((slots, max_new), self.pad, dtype=torch.long, device=device)
+        out_scores = torch.zeros(slots, max_new, device=device)
+        k = self.options.logprobs
+        out_top_values = torch.zeros(slots, max_new, k, device=device) if k else None
+        out_top_ids = torch.zeros(slots, max_new, k, dtype=torch.long, device=device) if k else None
+        next_tokens = torch.empty(slots, 1, dtype=torch.long, device=device)
+        positions = lengths[:, None].clone()  # where the next input token goes: (S, 1)
+
+        sampling = self.options.temperature > 0
+        rng = self._sampling_generator(device) if sampling else None
+        sync_every = 1 if sampling or stream is not None else SYNC_EVERY
+        new_tokens: List[List[int]] = [[] for _ in range(count)]
+        reasons: List[Optional[str]] = [None] * count
+        checked = 0
+        lprobs, allowed, greedy = static_decoding.choices(lprobs, banned, end_tokens, least <= 0)
+        for step in range(max_new):
+            if step > 0:
+                lprobs, allowed, greedy = decoding.step(cache, next_tokens, positions, banned, end_tokens, least <= step)
+                positions += 1
+            chosen = greedy
+            if sampling:
+                going = torch.tensor([row for row in range(count) if reasons[row] is None], device=device)
+                chosen = greedy.index_copy(0, going, self._draw(allowed.index_select(0, going), rng))
+            out_tokens[:, step] = chosen
+            out_scores[:, step] = lprobs.gather(1, chosen[:, None]).squeeze(1)
+            if k:
+                out_top_values[:, step], out_top_ids[:, step] = self._top(lprobs)
+            next_tokens.copy_(chosen[:, None])
+            if (step + 1) % sync_every == 0 or step + 1 == max_new:
+                for offset, row_tokens in enumerate(out_tokens[:count, checked:step + 1].T.tolist()):
+                    self._take(row_tokens, checked + offset, new_tokens, reasons, limits, stream)
+                checked = step + 1
+                if all(reasons):
+                    break
+        scores = out_scores.cpu()
+        tops = (out_top_values.cpu(), out_top_ids.cpu()) if k else None
+        hypos = [[self._hypothesis(new_tokens[row], scores[row, :len(new_tokens[row])].tolist(),
+                                   [(tops[0][row, j], tops[1][row, j]) for j in range(len(new_tokens[row]))] if k else [],
+                                   reasons[row])]
+                 for row in range(count)]
+        add_prompt_info(hypos, prompt_info)
+        return hypos
+
+    def _take(self, step_tokens: List[int], step: int, new_tokens, reasons, limits: Limits, stream) -> None:
+        """The tokens chosen at `step`, one per row: kept, streamed and checked for the end by
+        the rows still going (the others decode on only to keep the step's shape)."""
+        for row, token in enumerate(step_tokens):
+            if reasons[row] is not None:
+                continue
+            new_tokens[row].append(token)
+            if stream is not None:
+                stream(row // self.options.samples, token)  # the prompt whose sample this is
+            reasons[row] = self._finish_reason(new_tokens[row], step, limits.min[row], limits.max[row])
+
+    def _draw(self, allowed: torch.Tensor, rng: torch.Generator) -> torch.Tensor:
+        """One token per row of `allowed` (A, V) log-probs, drawn as `options` say."""
+        # log-probs differ from the logits by a constant per row: same softmax. Each row is
+        # shifted to a maximum of 0 and scaled by a finite 1 / temperature, so that a tiny
+        # temperature leaves its best token at 0 and sends the others to -inf (greedy), not
+        # every token to -inf (a NaN softmax).
+        shifted = allowed - allowed.max(dim=-1, keepdim=True).values
+        scaled = shifted * min(1 / self.options.temperature, torch.finfo(shifted.dtype).max)
+        masked = top_p_mask(top_k_mask(scaled, self.options.top_k), self.options.top_p)
+        return torch.multinomial(masked.softmax(dim=-1), 1, generator=rng).squeeze(1)
 
     def _sampling_generator(self, device) -> torch.Generator:
         """The generator of one call's draws, on the model's device: seeded by the options, or, with
@@ -448,16 +558,18 @@ class SequenceGenerator(nn.Module):
 
     # -- echo -----------------------------------------------------------------------------------
 
-    def _score_prompts(self, features, extra, tokens, prompts) -> List[Dict[str, torch.Tensor]]:
-        """Log-probability of each prompt token given the ones before it (the first has none)."""
+    def _score_prompts(self, features, extra, tokens, prompts, right_padded: bool) -> List[Dict[str, torch.Tensor]]:
+        """Log-probability of each prompt token given the ones before it (the first has none);
+        `tokens` hold the prompts left-padded, or right-padded."""
         logits = self.decoder.output_layer(features)
         lprobs = self.decoder.get_normalized_probs((logits, extra), log_probs=True)  # (B, T, V)
         width = tokens.size(1)
         infos = []
         for row, prompt in enumerate(prompts):
-            start = width - len(prompt)
-            predicted = lprobs[row, start:width - 1]  # predictions for prompt tokens 1 .. L-1
-            targets = tokens[row, start + 1:]
+            start = 0 if right_padded else width - len(prompt)
+            end = start + len(prompt)
+            predicted = lprobs[row, start:end - 1]  # predictions for prompt tokens 1 .. L-1
+            targets = tokens[row, start + 1:end]
             info = {"prompt_tokens": torch.tensor(prompt, dtype=torch.long),
                     "prompt_scores": torch.cat([torch.tensor([math.nan]),
                                                 predicted.gather(1, targets[:, None]).squeeze(1).cpu()])}

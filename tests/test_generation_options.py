@@ -36,7 +36,7 @@ def _cli_args(values):
 def cli_options(monkeypatch):
     """Runs `mseq generate` with flags; returns the options it hands to generate.main."""
     seen = []
-    monkeypatch.setattr(metaseq_ds.cli.generate, "main", lambda prompts, path, input_file, options, output_format:
+    monkeypatch.setattr(metaseq_ds.cli.generate, "main", lambda prompts, path, input_file, options, output_format, compile:
                         seen.append(options))
 
     def invoke(args):

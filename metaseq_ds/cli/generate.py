@@ -29,6 +29,8 @@ from metaseq_ds.generation_options import GenerationOptions, StopItem
 from metaseq_ds.streamed_text import StreamedText
 
 OUTPUT_FORMATS = ("text", "jsonl")
+COMPILE_HELP = ("compile the decoding step (a CUDA graph on CUDA; inductor on the CPU, where compiling takes "
+                "seconds per batch size); default: on CUDA only")
 
 
 def _flag(field: str) -> str:
@@ -59,6 +61,7 @@ def command(
     seed: Optional[int] = _sampling_flag("seed"),
     length_penalty: float = _sampling_flag("length_penalty"),
     output_format: str = typer.Option("text", "--output-format", help="text, or jsonl (metaseq's result dicts)"),
+    compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help=COMPILE_HELP),
 ) -> None:
     """Complete prompts with a checkpoint: greedy, sampling (top-k/top-p) or beam search."""
     values = dict(max_tokens=max_tokens, min_tokens=min_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
@@ -66,11 +69,11 @@ def command(
                   length_penalty=length_penalty)
     with guarded("generate"):
         options = GenerationOptions.from_values(values, name=_flag)
-        main(prompts or [], path, input_file, options, output_format)
+        main(prompts or [], path, input_file, options, output_format, compile)
 
 
 def main(prompts: List[str], path: str, input_file: Optional[str], options: GenerationOptions,
-         output_format: str) -> None:
+         output_format: str, compile: Optional[bool] = None) -> None:
     if output_format not in OUTPUT_FORMATS:
         raise UsageError(f"--output-format must be one of {', '.join(OUTPUT_FORMATS)}, got {output_format!r}")
     if prompts and input_file:
@@ -90,7 +93,7 @@ def main(prompts: List[str], path: str, input_file: Optional[str], options: Gene
     with contextlib.redirect_stdout(sys.stderr):
         from metaseq_ds.hub_utils import GeneratorInterface
 
-        interface = GeneratorInterface(path)
+        interface = GeneratorInterface(path, compile=compile)
         interface.load_model()
     if interactive:
         run_interactive(interface, options, output_format)

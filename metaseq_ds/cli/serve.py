@@ -23,6 +23,7 @@ from typing import Optional
 
 import typer
 
+from metaseq_ds.cli.generate import COMPILE_HELP
 from metaseq_ds.cli.guard import run_alone, run_guarded
 from metaseq_ds.dataclass.constraints import describe_range
 from metaseq_ds.errors import UsageError
@@ -43,9 +44,10 @@ def command(
     max_request_bytes: int = typer.Option(
         ServeOptions.max_request_bytes, "--max-request-bytes",
         help="refuse request bodies larger than this (HTTP 413)" + describe_range(ServeOptions, "max_request_bytes")),
+    compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help=COMPILE_HELP),
 ) -> None:
     """Serve a checkpoint over HTTP: metaseq's hosted API, OpenAI-compatible completions, batched."""
-    run_guarded("serve", main, ServeOptions(path, host, port, api_key, max_batch_tokens, max_request_bytes))
+    run_guarded("serve", main, ServeOptions(path, host, port, api_key, max_batch_tokens, max_request_bytes, compile))
 
 
 def main(options: ServeOptions) -> None:
@@ -60,7 +62,7 @@ def main(options: ServeOptions) -> None:
         from metaseq_ds.hub_utils import GeneratorInterface
         from metaseq_ds.serving.runner import ModelRunner
 
-        interface = GeneratorInterface(path)
+        interface = GeneratorInterface(path, compile=options.compile)
         interface.load_model()
     runner = ModelRunner(interface, ranks)
     if listener is None:

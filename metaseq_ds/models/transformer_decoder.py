@@ -24,7 +24,7 @@ from metaseq_ds.incremental_decoding_utils import reserved_positions, with_incre
 from metaseq_ds.models.base import BaseDecoder
 from metaseq_ds.modules import Dropout, LearnedPositionalEmbedding, Linear, SinusoidalPositionalEmbedding
 from metaseq_ds.modules.activations import ACTIVATIONS
-from metaseq_ds.modules.kv_cache import KVCache
+from metaseq_ds.modules.kv_cache import CacheWrite, KVCache, StaticKVCache
 
 
 def embed_scale(cfg) -> float:
@@ -47,9 +47,12 @@ class SelfAttention(nn.Module):
         self.v_proj = Linear(embed_dim, embed_dim)
         self.out_proj = Linear(embed_dim, embed_dim)
 
-    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor], incremental_state=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor], incremental_state=None,
+                cache_write: Optional[CacheWrite] = None) -> torch.Tensor:
         """`attn_mask` None means plain causal attention: the decoder passes an explicit mask
-        whenever that is not what the queries need (pads; several new tokens after a cache)."""
+        whenever that is not what the queries need (pads; several new tokens after a cache; a
+        static cache's filled positions). `cache_write`: where in a `StaticKVCache` the new keys
+        and values go (attention then reads every cached one of the slots)."""
         B, T, C = x.shape
         head_dim = C // self.num_heads
         # The head count is read from the projections' width (-1), not num_heads: a tensor-parallel
@@ -58,7 +61,9 @@ class SelfAttention(nn.Module):
         q = q.view(B, T, -1, head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, -1, head_dim).transpose(1, 2)  # (B, nh, T, hs)
         v = v.view(B, T, -1, head_dim).transpose(1, 2)  # (B, nh, T, hs)
-        if incremental_state is not None:
+        if cache_write is not None:
+            k, v = cache_write.cache.update(cache_write.layer, k, v, cache_write.positions, cache_write.slots)
+        elif incremental_state is not None:
             saved = self.get_incremental_state(incremental_state, "attn_state")
             if saved is None:  # the prompt: the cache starts with its keys and values
                 self.set_incremental_state(incremental_state, "attn_state",
@@ -100,11 +105,12 @@ class TransformerDecoderLayer(nn.Module):
         self.final_layer_norm = nn.LayerNorm(d)
         self.dropout = Dropout(cfg.dropout, module_name="dropout")
 
-    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor], incremental_state=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_mask: Optional[torch.Tensor], incremental_state=None,
+                cache_write: Optional[CacheWrite] = None) -> torch.Tensor:
         residual = x
         if self.normalize_before:
             x = self.self_attn_layer_norm(x)
-        x = residual + self.dropout(self.self_attn(x, attn_mask, incremental_state))
+        x = residual + self.dropout(self.self_attn(x, attn_mask, incremental_state, cache_write))
         if not self.normalize_before:
             x = self.self_attn_layer_norm(x)
 
@@ -199,32 +205,56 @@ class TransformerDecoder(BaseDecoder):
         return (features if features_only else self.output_layer(features)), extra
 
     def extract_features(
-        self, prev_output_tokens: torch.Tensor, incremental_state: Optional[Dict[str, Any]] = None, **unused
+        self, prev_output_tokens: torch.Tensor, incremental_state: Optional[Dict[str, Any]] = None, *,
+        kv_cache: Optional[StaticKVCache] = None, positions: Optional[torch.Tensor] = None,
+        slots: Optional[torch.Tensor] = None, **unused
     ) -> Tuple[torch.Tensor, Dict[str, Any]]:
-        """(B, S) tokens -> (B, T, C) features of the tokens not yet cached (T = S without a cache)."""
+        """(B, S) tokens -> (B, T, C) features of the tokens not yet cached (T = S without a cache).
+
+        With a `kv_cache` (`StaticKVCache`) the tokens are only the new ones, (B, T), at
+        `positions` (B, T, counted from 0) of the cache's `slots` (None: slots 0 .. B-1); their
+        keys and values are written there and each attends to its slot's positions up to its own.
+        """
         tokens = prev_output_tokens
+        if kv_cache is not None:
+            embedded = self.embed(tokens, self.position_embeddings(tokens, positions=positions))
+            writes = [CacheWrite(kv_cache, index, positions, slots) for index in range(len(self.layers))]
+            return self._layers(embedded, kv_cache.attention_mask(positions), None, writes)
         if tokens.size(1) > self.max_target_positions:
             raise ValueError(f"{tokens.size(1)} tokens exceed max_target_positions {self.max_target_positions}")
         cached = self.cached_length(incremental_state)
-        new_tokens = tokens[:, cached:]  # (B, T)
+        # Positions count the real tokens of the whole row, so they need all of it.
+        embedded = self.embed(tokens[:, cached:], self.position_embeddings(tokens, start=cached))
+        features = self._layers(embedded, self.attention_mask(tokens, cached), incremental_state,
+                                [None] * len(self.layers))
+        if incremental_state is not None:
+            self.set_incremental_state(incremental_state, "cached_length", {"length": tokens.size(1)})
+        return features
 
-        x = self.embed_tokens(new_tokens)  # (B, T, input_dim)
+    def position_embeddings(self, tokens: torch.Tensor, start: int = 0,
+                            positions: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """Of tokens[:, start:], or of explicit `positions`; None for a model without them."""
+        if self.embed_positions is None:
+            return None
+        return self.embed_positions(tokens, start=start, positions=positions)
+
+    def embed(self, tokens: torch.Tensor, position_embeddings: Optional[torch.Tensor]) -> torch.Tensor:
+        """(B, T) tokens -> (B, T, C) scaled token embeddings (+ the position embeddings given), after dropout."""
+        x = self.embed_tokens(tokens)  # (B, T, input_dim)
         if self.embed_scale != 1.0:
             x = x * self.embed_scale
         if self.project_in is not None:
             x = self.project_in(x)  # (B, T, C)
-        if self.embed_positions is not None:
-            # Positions count the real tokens of the whole row, so they need all of it.
-            x = x + self.embed_positions(tokens, start=cached)
-        x = self.dropout(x)
+        if position_embeddings is not None:
+            x = x + position_embeddings
+        return self.dropout(x)
 
-        attn_mask = self.attention_mask(tokens, cached)
+    def _layers(self, x: torch.Tensor, attn_mask, incremental_state, cache_writes) -> Tuple[torch.Tensor, Dict[str, Any]]:
+        """(B, T, C) embeddings through every layer and the final norm (and project_out)."""
         inner_states = [x]
-        for layer in self.layers:
-            x = layer(x, attn_mask, incremental_state)
+        for layer, cache_write in zip(self.layers, cache_writes):
+            x = layer(x, attn_mask, incremental_state, cache_write)
             inner_states.append(x)
-        if incremental_state is not None:
-            self.set_incremental_state(incremental_state, "cached_length", {"length": tokens.size(1)})
 
         if self.final_layer_norm is not None:
             x = self.final_layer_norm(x)

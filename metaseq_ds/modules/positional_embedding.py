@@ -7,6 +7,7 @@ exactly like the unpadded one.
 """
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,15 @@ def make_positions(tokens: torch.Tensor, padding_idx: int) -> torch.Tensor:
     return torch.cumsum(mask, dim=1) * mask + padding_idx
 
 
+def table_rows(tokens: torch.Tensor, start: int, positions: Optional[torch.Tensor], padding_idx: int) -> torch.Tensor:
+    """The table rows of tokens[:, start:]: from their count in the row, or from explicit
+    `positions` counted from 0 (a static KV cache's indices), the first real token's row being
+    padding_idx + 1 either way."""
+    if positions is not None:
+        return positions + (padding_idx + 1)
+    return make_positions(tokens, padding_idx)[:, start:]
+
+
 class LearnedPositionalEmbedding(nn.Embedding):
     """A learned table of `max_positions + padding_idx + 1` rows (OPT: max_positions + 2)."""
 
@@ -28,9 +38,10 @@ class LearnedPositionalEmbedding(nn.Embedding):
         super().__init__(rows, embedding_dim, padding_idx, _weight=torch.empty(rows, embedding_dim))
         self.max_positions = max_positions
 
-    def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """(B, T - start, C): the embeddings of tokens[:, start:] (positions count the whole row)."""
-        return super().forward(make_positions(tokens, self.padding_idx)[:, start:])
+    def forward(self, tokens: torch.Tensor, start: int = 0, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """(B, T - start, C): the embeddings of tokens[:, start:] (positions count the whole row),
+        or, given `positions` (B, T) counted from 0, of those positions."""
+        return super().forward(table_rows(tokens, start, positions, self.padding_idx))
 
 
 class SinusoidalPositionalEmbedding(nn.Module):
@@ -62,6 +73,7 @@ class SinusoidalPositionalEmbedding(nn.Module):
         table[padding_idx, :] = 0
         return table
 
-    def forward(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
-        """(B, T - start, C): the embeddings of tokens[:, start:] (positions count the whole row)."""
-        return F.embedding(make_positions(tokens, self.padding_idx)[:, start:], self.weights)
+    def forward(self, tokens: torch.Tensor, start: int = 0, positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """(B, T - start, C): the embeddings of tokens[:, start:] (positions count the whole row),
+        or, given `positions` (B, T) counted from 0, of those positions."""
+        return F.embedding(table_rows(tokens, start, positions, self.padding_idx), self.weights)

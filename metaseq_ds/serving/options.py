@@ -20,11 +20,12 @@ class ServeOptions:
     max_batch_tokens: Annotated[PositiveInt, Field(lt=2**31)] = 16384
     # Below 1 KiB no real request fits; above 1 GiB one body could hold the server's memory.
     max_request_bytes: Annotated[int, Field(ge=1024, le=2**30)] = 2**20
+    compile: Optional[bool] = None  # the decoding step's (None: on CUDA only)
 
     def validate(self) -> None:
         """Every number in its range, else `UsageError` naming the flag."""
         from metaseq_ds.dataclass import validate_value
 
         for name in (f.name for f in fields(self)):
-            if isinstance(getattr(self, name), int):
+            if isinstance(getattr(self, name), int) and not isinstance(getattr(self, name), bool):
                 validate_value(ServeOptions, name, getattr(self, name), "--" + name.replace("_", "-"))
