@@ -25,6 +25,10 @@ from metaseq_ds.errors import UsageError
 Namer = Callable[[str], str]
 StopItem = Union[str, int, Tuple[int, ...]]
 
+# Not a sampling option but how the decoding runs: `mseq generate`'s and `mseq serve`'s flag.
+COMPILE_HELP = ("compile the decoding step (a CUDA graph on CUDA; inductor on the CPU, where compiling takes "
+                "seconds per batch size); default: on CUDA only")
+
 # The cross-field rule "a <= b", raised with the two field names so that the message can name
 # them as the caller does.
 ORDER_ERROR = "option_order"

@@ -21,7 +21,8 @@ Decoders opt in by taking `kv_cache=` in `extract_features` (`TransformerDecoder
 import inspect
 import logging
 import warnings
-from typing import Callable, Dict, Optional, Sequence, Tuple
+from collections import OrderedDict
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -29,6 +30,10 @@ from metaseq_ds.modules.kv_cache import StaticKVCache
 
 logger = logging.getLogger("metaseq_ds.static_decoding")
 
+# Caches kept for reuse (each is as large as its bucket): a server that sees many shapes would
+# otherwise keep one per bucket it ever used. A bucket that comes back after its cache went
+# allocates a new one (and, on CUDA, records its CUDA graph again).
+KEPT_CACHES = 4
 SMALLEST_CAPACITY = 64  # positions; capacities are powers of two from here, so few buckets compile
 NEG_INF = float("-inf")
 
@@ -39,9 +44,10 @@ def supports(decoder) -> bool:
 
 
 def should_compile(requested: Optional[bool], device: torch.device) -> bool:
-    """`requested`, or by default: on CUDA, where a step is bound by kernel launches that a CUDA
-    graph removes; not on the CPU, where inductor's code measured no faster than the eager step
-    (benchmarks/generate.py) and takes tens of seconds to compile."""
+    """`requested`, or by default: on CUDA, where a small batch's step is bound by kernel
+    launches, which a CUDA graph removes. Not on the CPU: there inductor's step is faster at
+    batch 1 (1.3x in benchmarks/generate.py) but takes 5-20 s to compile per batch bucket, which
+    a few prompts never win back; `--compile` pays it for long runs."""
     return requested if requested is not None else torch.device(device).type == "cuda"
 
 
@@ -79,7 +85,7 @@ class StaticDecoding:
             raise TypeError(f"{type(decoder).__name__}.extract_features takes no kv_cache: it cannot use a StaticKVCache")
         self.decoder = decoder
         self.compiled = compile
-        self._caches: Dict[Tuple, StaticKVCache] = {}
+        self._caches: "OrderedDict[Tuple, StaticKVCache]" = OrderedDict()
         self._step: Callable = self._compile(decode_step) if compile else decode_step
 
     @classmethod
@@ -111,7 +117,10 @@ class StaticDecoding:
         slots, capacity = self.buckets(rows, positions)
         key = (slots, capacity, parameter.device, parameter.dtype)
         if key not in self._caches:
+            if len(self._caches) == KEPT_CACHES:
+                self._caches.popitem(last=False)  # the least recently used bucket's memory goes
             self._caches[key] = StaticKVCache(len(self.decoder.layers), slots, capacity)
+        self._caches.move_to_end(key)
         cache = self._caches[key]
         cache.clear()
         return cache

@@ -49,6 +49,18 @@ def test_seeded_sampling_is_reproducible_and_input_files_are_read(checkpoint, tm
     assert [json.loads(line)["prompt"] for line in first.stdout.splitlines()] == ["the data", "loss"]
 
 
+def test_compiled_and_uncompiled_decoding_complete_alike(checkpoint):
+    """--compile (inductor here; the default on CUDA) and --no-compile (the CPU's default) give
+    the same greedy completions."""
+    args = ["--path", str(checkpoint), "the model", "a much longer prompt than that", "--max-tokens", "10",
+            "--temperature", "0", "--output-format", "jsonl"]
+    compiled, eager = _generate(*args, "--compile"), _generate(*args, "--no-compile")
+    assert compiled.exit_code == 0, compiled.output
+    assert eager.exit_code == 0, eager.output
+    assert "without compiling" not in compiled.output  # it compiled, not fell back
+    assert compiled.stdout == eager.stdout
+
+
 def test_a_loaded_checkpoint_is_made_generation_fast_and_completes_as_the_plain_model(checkpoint):
     from metaseq_ds.checkpoint.inference import load_model_for_inference
     from metaseq_ds.hub_utils import GeneratorInterface

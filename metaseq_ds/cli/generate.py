@@ -25,12 +25,10 @@ import typer
 
 from metaseq_ds.cli.guard import guarded, run_alone
 from metaseq_ds.errors import UsageError
-from metaseq_ds.generation_options import GenerationOptions, StopItem
+from metaseq_ds.generation_options import COMPILE_HELP, GenerationOptions, StopItem
 from metaseq_ds.streamed_text import StreamedText
 
 OUTPUT_FORMATS = ("text", "jsonl")
-COMPILE_HELP = ("compile the decoding step (a CUDA graph on CUDA; inductor on the CPU, where compiling takes "
-                "seconds per batch size); default: on CUDA only")
 
 
 def _flag(field: str) -> str:

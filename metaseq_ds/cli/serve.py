@@ -23,10 +23,10 @@ from typing import Optional
 
 import typer
 
-from metaseq_ds.cli.generate import COMPILE_HELP
 from metaseq_ds.cli.guard import run_alone, run_guarded
 from metaseq_ds.dataclass.constraints import describe_range
 from metaseq_ds.errors import UsageError
+from metaseq_ds.generation_options import COMPILE_HELP
 from metaseq_ds.serving.options import ServeOptions
 
 

@@ -6,9 +6,9 @@ capacity, positions written by index and read through a mask, so a step is one f
 `KVCache`: one layer's cache behind the `incremental_state` API (beam search, and decoders of
 plugins that follow fairseq's incremental decoding), grown by length.
 
-A step writes only its new keys and values after the cached ones. Appending with `torch.cat`
-instead would copy the whole cache at every step (quadratic in the length over a generation,
-and a fresh allocation per layer per step). The buffers are sized for the positions the caller
+Either way a step writes only its new keys and values. Appending with `torch.cat` instead would
+copy the whole cache at every step (quadratic in the length over a generation, and a fresh
+allocation per layer per step). `KVCache`'s buffers are sized for the positions the caller
 reserved (`incremental_decoding_utils.reserve_positions`, as `SequenceGenerator` does) and
 grow, doubling, only for a caller that reserved fewer.
 """
