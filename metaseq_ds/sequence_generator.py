@@ -79,19 +79,20 @@ def top_p_mask(logits: torch.Tensor, p: float) -> torch.Tensor:
 
 def left_pad(prompts: Sequence[Sequence[int]], pad: int) -> torch.Tensor:
     """(B, T) LongTensor, each prompt right-aligned after `pad`s."""
-    width = max(len(p) for p in prompts)
-    tokens = torch.full((len(prompts), width), pad, dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        tokens[row, width - len(prompt):] = torch.as_tensor(list(prompt), dtype=torch.long)
-    return tokens
+    return _padded(prompts, pad, pads_first=True)
 
 
 def right_pad(prompts: Sequence[Sequence[int]], pad: int) -> torch.Tensor:
     """(B, T) LongTensor, each prompt left-aligned before `pad`s."""
+    return _padded(prompts, pad, pads_first=False)
+
+
+def _padded(prompts: Sequence[Sequence[int]], pad: int, pads_first: bool) -> torch.Tensor:
     width = max(len(p) for p in prompts)
     tokens = torch.full((len(prompts), width), pad, dtype=torch.long)
     for row, prompt in enumerate(prompts):
-        tokens[row, :len(prompt)] = torch.as_tensor(list(prompt), dtype=torch.long)
+        start = width - len(prompt) if pads_first else 0
+        tokens[row, start:start + len(prompt)] = torch.as_tensor(list(prompt), dtype=torch.long)
     return tokens
 
 

@@ -3,8 +3,8 @@ one-token step whose shapes never change, compiled once per (batch, capacity) bu
 
     decoding = StaticDecoding.of(model.decoder)            # one per model, kept with it
     cache = decoding.cache(rows=3, positions=160)          # slots and capacity rounded up to buckets
-    features, extra = decoding.prefill(cache, tokens, lengths)  # (B, T) right-padded prompts, eager
-    lprobs, allowed, greedy = decoding.step(cache, next_tokens, positions, allow_end)
+    features, extra = decoding.prefill(cache, tokens)      # (B, T) right-padded prompts, eager
+    lprobs, allowed, greedy = decoding.step(cache, next_tokens, positions, banned, end_tokens, allow_end)
 
 The step (every layer, the output projection, the log-softmax, the bans and the greedy choice)
 is `torch.compile`d: inductor on the CPU, and on CUDA with `mode="reduce-overhead"`, which
@@ -19,7 +19,6 @@ Decoders opt in by taking `kv_cache=` in `extract_features` (`TransformerDecoder
 """
 
 import inspect
-import logging
 import warnings
 from collections import OrderedDict
 from typing import Callable, Optional, Tuple
@@ -27,8 +26,6 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from metaseq_ds.modules.kv_cache import StaticKVCache
-
-logger = logging.getLogger("metaseq_ds.static_decoding")
 
 # Caches kept for reuse (each is as large as its bucket): a server that sees many shapes would
 # otherwise keep one per bucket it ever used. A bucket that comes back after its cache went
@@ -119,7 +116,7 @@ class StaticDecoding:
         if key not in self._caches:
             if len(self._caches) == KEPT_CACHES:
                 self._caches.popitem(last=False)  # the least recently used bucket's memory goes
-            self._caches[key] = StaticKVCache(len(self.decoder.layers), slots, capacity)
+            self._caches[key] = StaticKVCache(slots, capacity)
         self._caches.move_to_end(key)
         cache = self._caches[key]
         cache.clear()
@@ -143,7 +140,8 @@ class StaticDecoding:
         except Exception as error:  # noqa: BLE001 - any compiler failure: decode eagerly instead
             if self._step is decode_step:
                 raise
-            warnings.warn(f"compiling the decoding step failed ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+            first_line = (str(error).splitlines() or [""])[0]
+            warnings.warn(f"compiling the decoding step failed ({type(error).__name__}: {first_line}); "
                           "decoding without compiling", RuntimeWarning, stacklevel=2)
             self._step = decode_step
             return decode_step(self.decoder, cache, tokens, positions, banned, end_tokens, allow_end)

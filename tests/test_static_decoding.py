@@ -37,7 +37,7 @@ PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18], [19]]
 
 
 def test_cache_writes_in_place_at_positions_and_masks_what_is_not_filled():
-    cache = StaticKVCache(layers=1, slots=2, capacity=6)
+    cache = StaticKVCache(slots=2, capacity=6)
     keys = torch.arange(2 * 3 * 4, dtype=torch.float).view(2, 1, 3, 4)  # (B, nh, T, hs)
     positions = torch.tensor([[0, 1, 2], [0, 1, 2]])
     all_keys, all_values = cache.update(0, keys, -keys, positions)
@@ -57,7 +57,7 @@ def test_cache_writes_in_place_at_positions_and_masks_what_is_not_filled():
 
 
 def test_reorder_moves_slots_in_place_and_clear_keeps_the_buffers():
-    cache = StaticKVCache(layers=2, slots=3, capacity=2)
+    cache = StaticKVCache(slots=3, capacity=2)
     for layer in range(2):
         keys = torch.arange(3, dtype=torch.float).view(3, 1, 1, 1).expand(3, 1, 2, 1)
         cache.update(layer, keys, keys, torch.tensor([[0, 1]] * 3))
@@ -78,7 +78,7 @@ def test_a_prompt_prefilled_into_a_free_slot_decodes_as_in_one_batch(model):
     together = decoding.cache(2, 16)
     tokens = right_pad(prompts, PAD)
     decoding.prefill(together, tokens)
-    apart = StaticKVCache(len(model.decoder.layers), slots=3, capacity=16)
+    apart = StaticKVCache(slots=3, capacity=16)
     for prompt, slot in zip(prompts, (2, 0)):
         decoding.prefill(apart, torch.tensor([prompt]), slots=torch.tensor([slot]))
     next_tokens = torch.tensor([[21], [22]])

@@ -77,9 +77,9 @@ class StaticKVCache(nn.Module):
     tensors it mutates).
     """
 
-    def __init__(self, layers: int, slots: int, capacity: int):
+    def __init__(self, slots: int, capacity: int):
         super().__init__()
-        self.layers, self.slots, self.capacity = layers, slots, capacity
+        self.slots, self.capacity = slots, capacity
 
     def buffers_of(self, layer: int):
         """(keys, values) of `layer`, (slots, nh, capacity, hs) each; None before its first write."""
@@ -118,10 +118,8 @@ class StaticKVCache(nn.Module):
     def reorder(self, order: torch.Tensor) -> None:
         """Slot i becomes old slot `order[i]`, in place (`order`: `slots` indices; beam search
         follows its beams)."""
-        for layer in range(self.layers):
-            for buffer in self.buffers_of(layer):
-                if buffer is not None:
-                    buffer.copy_(buffer.index_select(0, order))
+        for buffer in self.buffers():
+            buffer.copy_(buffer.index_select(0, order))
 
     @torch.no_grad()
     def clear(self) -> None:
