@@ -14,7 +14,10 @@ then sharded across the ranks with the tensor-parallel plan: every rank runs the
 loop on its shard, with the logits gathered, so all ranks choose the same tokens (sampling
 uses one seed, rank 0's when none is given). Prompts are text (encoded, after the </s>
 that separates documents in training, as OPT's tokenizer does) or lists of token ids (used
-as given). A prompt must leave room for at least one new token in the model's positions; a
+as given). The result of a text prompt leaves special tokens out; that of a token-id prompt has
+one entry per token, every id it gave (with `echo`) and every token chosen, </s> included, as
+vLLM's has: a client aligns the log-probabilities with the ids it sent (lm-evaluation-harness
+reads a continuation's as `token_logprobs[context_length:-1]`). A prompt must leave room for at least one new token in the model's positions; a
 longer one is refused, not truncated, and generation stops at the last position
 (finish_reason "length") when `max_tokens` would run past it.
 
@@ -34,6 +37,12 @@ logger = logging.getLogger("metaseq_ds.hub_utils")
 
 Prompt = Union[str, Sequence[int]]
 LIMITS = ("min_tokens", "max_tokens")
+
+
+class TextIds(list):
+    """The token ids `encode` made of a text prompt (the </s> it put first, then the text's
+    tokens): a list that remembers it was text, so that its result leaves the </s> out however
+    the ids travel to `generate` (the server encodes a request's prompts before batching them)."""
 
 
 class GeneratorInterface:
@@ -77,7 +86,7 @@ class GeneratorInterface:
         return decoder.max_positions()
 
     def encode(self, prompt: Prompt, index: int) -> List[int]:
-        """Token ids of a prompt: text after </s> (a document start), or ids as given."""
+        """Token ids of a prompt: text after </s> (a document start; `TextIds`), or ids as given."""
         if isinstance(prompt, str):
             if not prompt:
                 raise UsageError(f"prompt {index + 1} is empty")
@@ -94,7 +103,7 @@ class GeneratorInterface:
                 f"prompt {index + 1} has {len(ids)} tokens; the model takes {self.max_positions()} positions "
                 f"in all, so a prompt may have at most {self.max_positions() - 1} (shorten it)"
             )
-        return ids
+        return TextIds(ids) if isinstance(prompt, (str, TextIds)) else ids
 
     def generate(
         self,
@@ -155,10 +164,12 @@ class GeneratorInterface:
                                       compile=self.compile)
         hypos = generator.generate([self.model], prompts, stream=stream, min_tokens=[o.min_tokens for o in options],
                                    max_tokens=[o.max_tokens for o in options])
-        return [[self._result(h, shared) for h in prompt_hypos] for prompt_hypos in hypos]
+        return [[self._result(h, shared, isinstance(prompt, TextIds)) for h in prompt_hypos]
+                for prompt, prompt_hypos in zip(prompts, hypos)]
 
-    def _result(self, hypo: Dict, options: GenerationOptions) -> Dict:
-        """metaseq's result dict for one hypothesis: special tokens dropped, the stop text cut."""
+    def _result(self, hypo: Dict, options: GenerationOptions, text_prompt: bool) -> Dict:
+        """metaseq's result dict for one hypothesis, the stop text cut; special tokens dropped
+        for a text prompt, every token kept for a token-id prompt (their text is empty)."""
         stop_strings = [s for s in options.stop if isinstance(s, str)]
         stop_ids = [s for s in options.stop if not isinstance(s, str)]
         tokens = hypo["tokens"].tolist()
@@ -172,14 +183,15 @@ class GeneratorInterface:
                     if tops is not None:
                         del tops[-len(sequence):]
                     break
+        prompt = hypo["prompt_tokens"].tolist() if options.echo else []
         if options.echo:
-            tokens = hypo["prompt_tokens"].tolist() + tokens
+            tokens = prompt + tokens
             scores = [None] + hypo["prompt_scores"].tolist()[1:] + scores
             if tops is not None:
                 tops = [None] + _top_lists(hypo, "prompt_top") + tops
-        specials = self.special_ids()
-        keep = [i for i, t in enumerate(tokens) if t not in specials]
-        prompt_kept = sum(1 for t in hypo["prompt_tokens"].tolist() if t not in specials) if options.echo else 0
+        dropped = self.special_ids() if text_prompt else set()
+        keep = [i for i, t in enumerate(tokens) if t not in dropped]
+        prompt_kept = sum(1 for t in prompt if t not in dropped)
         tokens = [tokens[i] for i in keep]
         scores = [scores[i] for i in keep]
         tops = [tops[i] for i in keep] if tops is not None else None

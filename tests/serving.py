@@ -30,16 +30,19 @@ def write_checkpoint(save_dir: Path) -> Path:
 
 @contextlib.contextmanager
 def server_thread(interface, runner=None, api_key: Optional[str] = API_KEY, max_batch_tokens: int = 4096,
-                  max_request_bytes: int = 65536):
+                  max_request_bytes: int = 65536, **serve_options):
     """`mseq serve`'s app for `interface` on 127.0.0.1 (a free port), uvicorn on a thread; yields
-    its `url` and its `batcher`."""
+    its `url` and its `batcher`. `serve_options`: other `ServeOptions` fields (`batching`, ...)."""
     import uvicorn
 
     from metaseq_ds.cli.serve import bind, build_app
+    from metaseq_ds.serving.options import ServeOptions
     from metaseq_ds.serving.runner import ModelRunner
 
     runner = runner or ModelRunner(interface, ranks=1)
-    app, batcher = build_app(interface, runner, "tiny", api_key, max_batch_tokens, max_request_bytes)
+    options = ServeOptions("tiny", api_key=api_key, max_batch_tokens=max_batch_tokens,
+                           max_request_bytes=max_request_bytes, **serve_options)
+    app, batcher = build_app(interface, runner, "tiny", options)
     listener = bind("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
@@ -124,3 +127,22 @@ def request(url: str, method: str, path: str, body=None, headers: Optional[Dict[
 
 def bearer(key: str = API_KEY) -> Dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
+
+
+def slow_steps(monkeypatch, batcher, delay: float = 0.02) -> None:
+    """Each decoding step of a continuous `batcher` takes at least `delay` s: the tiny model's
+    take well under a millisecond, too fast to act between them."""
+    step = batcher.decoding.step
+
+    def slowed(*args, **kwargs):
+        time.sleep(delay)
+        return step(*args, **kwargs)
+
+    monkeypatch.setattr(batcher.decoding, "step", slowed)
+
+
+def wait_until(condition, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)

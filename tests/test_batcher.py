@@ -46,7 +46,7 @@ def test_the_token_budget_counts_sequences_times_the_longest_prompt_plus_new_tok
     for job in jobs + [wide]:
         batcher.submit(job)
     assert [len(b) for b in _batches(batcher)] == [3, 2, 1]
-    with pytest.raises(ValueError, match="can never run"):
+    with pytest.raises(ValueError, match="needs 210 batch tokens"):
         batcher.submit(_job(prompt_length=10, prompts=7, temperature=0, max_tokens=20))  # 7 x 30 > 200
 
 

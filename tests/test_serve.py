@@ -166,7 +166,7 @@ def test_requests_waiting_during_a_batch_decode_together_each_to_its_own_length(
     runner = GatedRunner(interface)
     requests = [(PROMPTS[i % 4], dict(temperature=0, max_tokens=limit)) for i, limit in enumerate([3, 12, 7, 9, 5])]
     requests.append((PROMPTS[0], dict(temperature=0, max_tokens=6, logprobs=2)))  # other options: a batch of its own
-    with server_thread(interface, runner=runner) as running:
+    with server_thread(interface, runner=runner, batching="static") as running:
         results = [None] * (len(requests) + 1)
 
         def send(slot, prompt, fields):
@@ -218,7 +218,7 @@ BAD_REQUESTS = {
     "no_prompt": ({"max_tokens": 3}, 400, ["prompt is required"], "prompt"),
     "n_over_best_of": ({"prompt": "x", "n": 3, "best_of": 2}, 400, ["need n <= best_of"], "n"),
     "over_the_batch_budget": ({"prompt": ["x"] * 40, "best_of": 8, "max_tokens": 60}, 400,
-                              ["batch tokens", "4096"], "max_tokens"),
+                              ["320 sequences", "at most 64 at once", "--max-batch-tokens 4096"], "prompt"),
     "too_many_logprobs": ({"prompt": "x", "logprobs": 50}, 400, ["logprobs must be <= 20"], "logprobs"),
 }
 
@@ -316,3 +316,68 @@ def test_under_the_deepspeed_launcher_2_ranks_serve_the_same_completions(checkpo
         stderr = process.stderr.read()
     assert "rank 1: rank 0 stopped serving; stopping" in stderr, stderr[-3000:]  # not killed
     assert not shm_leftovers(port)  # each rank unlinked DeepSpeed's all-reduce buffer
+
+
+def test_tokenizer_routes_answer_in_vllms_shapes_and_lm_evals_remote_tokenizer_reads_them(server):
+    from lm_eval.utils import RemoteTokenizer, check_remote_tokenizer_support
+
+    status, info = request(server.url, "GET", "/tokenizer_info", None, bearer())
+    assert status == 200, info
+    assert (info["bos_token"], info["eos_token"], info["pad_token"], info["unk_token"]) == ("</s>", "</s>", "<pad>",
+                                                                                          "<unk>")
+    assert info["model_max_length"] == 64
+    text = "hé</s>x"  # one byte token per UTF-8 byte (id 4 + byte); the special token's text is its id
+    ids = [4 + ord("h"), 4 + 0xC3, 4 + 0xA9, 2, 4 + ord("x")]
+    assert request(server.url, "POST", "/tokenize", {"prompt": text, "add_special_tokens": False}, bearer()) == \
+        (200, {"tokens": ids, "count": 5, "max_model_len": 64})
+    # As /v1/completions and `mseq generate` encode a text prompt: after a </s>.
+    assert request(server.url, "POST", "/tokenize", {"prompt": text}, bearer())[1]["tokens"] == [2] + ids
+    assert request(server.url, "POST", "/detokenize", {"tokens": [2] + ids}, bearer()) == \
+        (200, {"prompt": "</s>" + text})
+    completions_url = f"{server.url}/v1/completions"
+    assert check_remote_tokenizer_support(completions_url, auth_token=API_KEY)
+    remote = RemoteTokenizer(completions_url, auth_token=API_KEY)
+    assert (remote.eos_token_id, remote.bos_token_id) == (2, 2)
+    assert remote.encode(text) == ids and remote.decode(ids) == text
+
+
+TOKENIZER_ERRORS = {
+    "tokenize_without_prompt": ("/tokenize", {"add_special_tokens": False}, ["prompt is required"], "prompt"),
+    "tokenize_a_list": ("/tokenize", {"prompt": [5, 6]}, ["prompt: input should be a valid string"], "prompt"),
+    "tokenize_flag_not_bool": ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, ["add_special_tokens"],
+                               "add_special_tokens"),
+    "tokenize_unknown_field": ("/tokenize", {"prompt": "x", "tokens": [5]}, ["unknown field 'tokens'"], "tokens"),
+    "detokenize_out_of_vocabulary": ("/detokenize", {"tokens": [5, 99999]}, ["token id 99999", "0..263"], "tokens"),
+    "detokenize_negative": ("/detokenize", {"tokens": [-1]}, ["token id -1"], "tokens"),
+    "detokenize_text": ("/detokenize", {"tokens": ["a"]}, ["tokens.0: input should be a valid integer"], "tokens"),
+    "detokenize_not_json": ("/detokenize", b"[1, 2", ["not valid JSON"], None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TOKENIZER_ERRORS))
+def test_a_bad_tokenizer_request_is_a_one_line_400(server, name):
+    path, body, needles, param = TOKENIZER_ERRORS[name]
+    _one_line_error(*request(server.url, "POST", path, body, bearer()), 400, *needles, param=param)
+
+
+def test_tokenizer_routes_need_the_key(server):
+    for method, path, body in [("GET", "/tokenizer_info", None), ("POST", "/tokenize", {"prompt": "x"}),
+                               ("POST", "/detokenize", {"tokens": [5]})]:
+        _one_line_error(*request(server.url, method, path, body), 401, "no API key")
+        assert request(server.url, method, path, body, bearer())[0] == 200
+
+
+def test_echo_of_a_tokenized_prompt_has_one_entry_per_id_sent(server):
+    """lm-eval reads a continuation's log-probabilities as token_logprobs[context_length:-1] of the
+    echoed token ids it sent: every id needs its entry, the leading </s> included; a text
+    prompt's echo leaves out the </s> the server put before it."""
+    fields = dict(temperature=0, max_tokens=1, logprobs=1, echo=True)
+    text = _client(server.url).completions.create(model="tiny", prompt="abc", **fields).choices[0]
+    ids = [2, 4 + ord("a"), 4 + ord("b"), 4 + ord("c")]
+    tokens = _client(server.url).completions.create(model="tiny", prompt=ids, **fields).choices[0]
+    assert tokens.text == text.text and tokens.text.startswith("abc")
+    assert tokens.logprobs.tokens == [""] + text.logprobs.tokens and len(tokens.logprobs.tokens) == len(ids) + 1
+    assert tokens.logprobs.text_offset == [0] + text.logprobs.text_offset == [0, 0, 1, 2, 3]
+    assert tokens.logprobs.token_logprobs[0] is None and tokens.logprobs.top_logprobs[0] is None
+    assert tokens.logprobs.token_logprobs[1:] == pytest.approx(text.logprobs.token_logprobs, abs=1e-6)
+    assert tokens.logprobs.top_logprobs[1:] == text.logprobs.top_logprobs

@@ -6,10 +6,12 @@ OpenAI's completions API (`metaseq_ds.serving`).
     deepspeed --num_gpus 2 --module metaseq_ds.cli.serve --path CKPT   # the model split across 2 ranks
 
 Loads the model as `mseq generate` does (`GeneratorInterface.load_model`: under a launcher each
-rank keeps its tensor-parallel shard), then rank 0 listens and batches requests while the other
-ranks decode the batches rank 0 broadcasts. Ctrl-C or SIGTERM stops rank 0 (uvicorn's graceful
-shutdown: requests in flight are answered), which then tells the other ranks to stop; they
-ignore the signals themselves.
+rank keeps its tensor-parallel shard). Alone, requests are batched continuously
+(`serving.continuous`: sequences join and leave the batch at every decoding step). Under a
+launcher rank 0 listens and batches requests statically while the other ranks decode the
+batches rank 0 broadcasts (`serving.runner`). Ctrl-C or SIGTERM stops rank 0 (uvicorn's
+graceful shutdown: new connections are refused, requests in flight are answered), which then
+tells the other ranks to stop; they ignore the signals themselves.
 """
 
 import contextlib
@@ -36,18 +38,35 @@ def command(
     port: int = typer.Option(ServeOptions.port, "--port",
                              help="TCP port (0: any free port; the address is printed)" + describe_range(ServeOptions, "port")),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="MSEQ_API_KEY",
-                                          help="require 'Authorization: Bearer KEY' on every route but /health"),
+                                          help="require 'Authorization: Bearer KEY' on every route but /health and /metrics"),
     max_batch_tokens: int = typer.Option(
         ServeOptions.max_batch_tokens, "--max-batch-tokens",
-        help="decode at most this many KV-cache positions per batch (sequences x (longest prompt + most new tokens)); "
-             "larger requests are refused" + describe_range(ServeOptions, "max_batch_tokens")),
+        help="KV-cache positions decoded at once: continuous batching allocates them at start-up, --max-model-len "
+             "per sequence; static batching counts sequences x (longest prompt + most new tokens) per batch. "
+             "Larger requests are refused" + describe_range(ServeOptions, "max_batch_tokens")),
     max_request_bytes: int = typer.Option(
         ServeOptions.max_request_bytes, "--max-request-bytes",
         help="refuse request bodies larger than this (HTTP 413)" + describe_range(ServeOptions, "max_request_bytes")),
     compile: Optional[bool] = typer.Option(None, "--compile/--no-compile", help=COMPILE_HELP),
+    batching: str = typer.Option(
+        ServeOptions.batching, "--batching",
+        help="continuous: requests join and leave the batch at every decoding step; static: a batch decodes to its "
+             "end before the next starts; one: one request at a time (static is what several ranks use)"),
+    max_model_len: Optional[int] = typer.Option(
+        None, "--max-model-len",
+        help="positions per sequence, prompt and new tokens (default: the model's); fewer make room for more "
+             "sequences in --max-batch-tokens"),
+    max_queued_requests: int = typer.Option(
+        ServeOptions.max_queued_requests, "--max-queued-requests",
+        help="answer 429 (with Retry-After) while this many requests wait" + describe_range(ServeOptions, "max_queued_requests")),
+    request_timeout: float = typer.Option(
+        ServeOptions.request_timeout, "--request-timeout",
+        help="seconds a request may take from arrival to its last token; then it stops with 504"
+             + describe_range(ServeOptions, "request_timeout")),
 ) -> None:
-    """Serve a checkpoint over HTTP: metaseq's hosted API, OpenAI-compatible completions, batched."""
-    run_guarded("serve", main, ServeOptions(path, host, port, api_key, max_batch_tokens, max_request_bytes, compile))
+    """Serve a checkpoint over HTTP: metaseq's hosted API, OpenAI-compatible completions, continuously batched."""
+    run_guarded("serve", main, ServeOptions(path, host, port, api_key, max_batch_tokens, max_request_bytes, compile,
+                                            batching, max_model_len, max_queued_requests, request_timeout))
 
 
 def main(options: ServeOptions) -> None:
@@ -73,8 +92,7 @@ def main(options: ServeOptions) -> None:
         runner.follow()
         return
     try:
-        serve(interface, runner, listener, Path(path).resolve().name, api_key, options.max_batch_tokens,
-              options.max_request_bytes)
+        serve(interface, runner, listener, Path(path).resolve().name, options)
     finally:
         runner.stop()
 
@@ -91,16 +109,15 @@ def bind(host: str, port: int) -> socket.socket:
     return listener
 
 
-def serve(interface, runner, listener: socket.socket, model_name: str, api_key: Optional[str],
-          max_batch_tokens: int, max_request_bytes: int) -> None:
+def serve(interface, runner, listener: socket.socket, model_name: str, options: ServeOptions) -> None:
     """Serve on `listener` until a signal stops uvicorn; then finish the batch being decoded."""
     import uvicorn
 
-    app, batcher = build_app(interface, runner, model_name, api_key, max_batch_tokens, max_request_bytes)
+    app, batcher = build_app(interface, runner, model_name, options)
     host, port = listener.getsockname()[:2]
     listener.listen(2048)  # from here connections queue until uvicorn accepts them: the address is usable
     print(f"mseq serve: {model_name} on http://{host}:{port} (POST /v1/completions; "
-          f"{'API key required' if api_key else 'no API key'})", flush=True)
+          f"{'API key required' if options.api_key else 'no API key'})", flush=True)
     # uvicorn stops gracefully on SIGINT and SIGTERM, then raises the signal again for the handler
     # that was there before: let that be a KeyboardInterrupt for both, so that the batcher still
     # finishes and the other ranks are told to stop.
@@ -113,15 +130,25 @@ def serve(interface, runner, listener: socket.socket, model_name: str, api_key: 
         batcher.close()
 
 
-def build_app(interface, runner, model_name: str, api_key: Optional[str], max_batch_tokens: int,
-              max_request_bytes: int):
-    """The FastAPI app and its running batcher (close it after the app stops)."""
+def build_app(interface, runner, model_name: str, options: ServeOptions):
+    """The FastAPI app and its running batcher (close it after the app stops): continuous
+    batching alone, static batching as `options.batching` asks or under a launcher."""
     from metaseq_ds.serving.app import create_app
     from metaseq_ds.serving.batcher import Batcher
     from metaseq_ds.serving.completions import Completions
+    from metaseq_ds.serving.metrics import ServerMetrics
 
-    batcher = Batcher(runner, max_batch_tokens).start()
-    return create_app(Completions(interface, batcher, model_name), api_key, max_request_bytes), batcher
+    metrics = ServerMetrics()
+    if options.batching == "continuous" and runner.ranks == 1:
+        from metaseq_ds.serving.continuous import ContinuousBatcher
+
+        batcher = ContinuousBatcher(interface, options.max_batch_tokens, options.max_model_len,
+                                    options.max_queued_requests, metrics)
+    else:
+        batcher = Batcher(runner, options.max_batch_tokens, one_at_a_time=options.batching == "one",
+                          max_queued=options.max_queued_requests, metrics=metrics)
+    completions = Completions(interface, batcher.start(), model_name, metrics, options.request_timeout)
+    return create_app(completions, options.api_key, options.max_request_bytes, metrics), batcher
 
 
 if __name__ == "__main__":

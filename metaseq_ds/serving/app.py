@@ -2,9 +2,11 @@
 
     POST /completions, /v1/completions, /v1/engines/{engine}/completions   completions
     GET  /v1/models                                                        the one model served
+    GET  /tokenizer_info, POST /tokenize, /detokenize                      vLLM's tokenizer routes
+    GET  /metrics                                                          Prometheus metrics (`serving.metrics`)
     GET  /health                                                           liveness (never needs a key)
 
-With an API key every route but `/health` needs `Authorization: Bearer KEY` (compared in
+With an API key every route but `/health` and `/metrics` needs `Authorization: Bearer KEY` (compared in
 constant time; 401 otherwise). Request bodies over `max_request_bytes` are refused (413) before
 they are parsed. Every refusal is OpenAI's error object with a one-line message naming the field
 (`{"error": {"message", "type", "param", "code"}}`), so the `openai` client raises it as the
@@ -18,9 +20,10 @@ import time
 from typing import Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from metaseq_ds.serving import tokenizer_api
 from metaseq_ds.serving.completions import Completions, ServerFault
 from metaseq_ds.serving.protocol import RequestError, error_body, parse_completion_request
 
@@ -29,7 +32,7 @@ logger = logging.getLogger("metaseq_ds.serving")
 COMPLETION_ROUTES = ("/completions", "/v1/completions", "/v1/engines/{engine}/completions")
 
 
-def create_app(completions: Completions, api_key: Optional[str], max_request_bytes: int) -> FastAPI:
+def create_app(completions: Completions, api_key: Optional[str], max_request_bytes: int, metrics=None) -> FastAPI:
     app = FastAPI(title="mseq serve", docs_url=None, redoc_url=None, openapi_url=None)
     created = int(time.time())
 
@@ -52,20 +55,49 @@ def create_app(completions: Completions, api_key: Optional[str], max_request_byt
         return {"object": "list", "data": [{"id": completions.model_name, "object": "model", "created": created,
                                             "owned_by": "metaseq-ds"}]}
 
+    # vLLM's tokenizer routes: lm-eval's `local-completions` tokenizes through them.
+    @app.get("/tokenizer_info")
+    async def tokenizer_info(request: Request):
+        authorize(request)
+        return tokenizer_api.info(completions.interface)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        authorize(request)
+        return tokenizer_api.tokenize(completions.interface, await read_body(request, max_request_bytes))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        authorize(request)
+        return tokenizer_api.detokenize(completions.interface, await read_body(request, max_request_bytes))
+
     async def complete(request: Request):
         authorize(request)
         parsed = parse_completion_request(await read_body(request, max_request_bytes))
         if parsed.stream:
             return StreamingResponse(completions.stream(parsed), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await completions.complete(parsed)
+
+        async def disconnected() -> None:  # the body is read: what comes next is the client leaving
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        answer = await completions.complete(parsed, disconnected)
+        return answer if answer is not None else Response(status_code=499)  # nginx's "client closed request"
 
     for path in COMPLETION_ROUTES:
         app.add_api_route(path, complete, methods=["POST"])
 
+    if metrics is not None:
+        from metaseq_ds.serving.metrics import CONTENT_TYPE
+
+        @app.get("/metrics")
+        async def prometheus():  # no key, as /health: what scrapers expect (vLLM's is open too)
+            return Response(metrics.exposition(), media_type=CONTENT_TYPE)
+
     @app.exception_handler(RequestError)
     async def refused(request: Request, error: RequestError):
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
 
     @app.exception_handler(HTTPException)
     async def routing(request: Request, error: HTTPException):  # unknown route, wrong method
@@ -74,7 +106,7 @@ def create_app(completions: Completions, api_key: Optional[str], max_request_byt
 
     @app.exception_handler(ServerFault)
     async def fault(request: Request, error: ServerFault):
-        return JSONResponse(error_body(str(error), kind="server_error"), status_code=500)
+        return JSONResponse(error_body(str(error), kind="server_error"), status_code=error.status)
 
     @app.exception_handler(Exception)
     async def bug(request: Request, error: Exception):

@@ -13,34 +13,49 @@ text and carries `finish_reason` once the batch is done. A completion chosen onl
 (beam search, the best `n` of `best_of` samples) or with `logprobs` comes in one chunk per
 choice when the batch is done, its logprobs matching its text. Either way the chunks of a choice
 join to the text of the same request without `stream`.
+
+A client that goes away (it closes the connection, streaming or not) cancels its request: the
+batcher drops its sequences at its next step. A full queue is a 429 with `Retry-After`; a
+request past `--request-timeout` is a 504. The server's metrics (`ServerMetrics`) are observed
+here, from the events every batcher delivers, so that they mean the same under either.
 """
 
 import asyncio
 import time
 import uuid
-from typing import Any, AsyncIterator, Dict, Iterator, List, Sequence, Tuple
+from typing import Any, AsyncIterator, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from metaseq_ds.errors import UsageError
 from metaseq_ds.serving import protocol
-from metaseq_ds.serving.batcher import Batcher, Done, Failed, Job, Token
+from metaseq_ds.serving.batcher import Done, Failed, Job, JobQueue, QueueFull, Token
 from metaseq_ds.serving.protocol import CompletionRequest, RequestError
 from metaseq_ds.streamed_text import StreamedText
 
 # Each position of a response carries this many alternatives at most (a bound on its size).
 MAX_LOGPROBS = 20
+# What a 429 asks the client to wait: about one long request's decoding on a busy server.
+RETRY_AFTER_S = 1
 
 
 class ServerFault(Exception):
-    """Decoding failed for a reason of the server's, not the request's (HTTP 500)."""
+    """Decoding failed for a reason of the server's, not the request's (HTTP 500), or ran past
+    the request timeout (504)."""
+
+    def __init__(self, message: str, status: int = 500):
+        super().__init__(message)
+        self.status = status
 
 
 class Completions:
     """Turns requests into batcher jobs and their results into responses, for `interface`'s model."""
 
-    def __init__(self, interface, batcher: Batcher, model_name: str):
+    def __init__(self, interface, batcher: JobQueue, model_name: str, metrics=None,
+                 request_timeout: Optional[float] = None):
         self.interface = interface
         self.batcher = batcher
         self.model_name = model_name
+        self.metrics = metrics
+        self.request_timeout = request_timeout
         self.positions = interface.max_positions()
 
     def job(self, request: CompletionRequest, deliver) -> Job:
@@ -57,42 +72,91 @@ class Completions:
         except UsageError as error:
             raise RequestError(400, str(error), "prompt") from None
         stream_tokens = request.stream and options.best_of == 1 and not request.logprobs
-        job = Job(prompts, options, self.positions, deliver, stream_tokens=stream_tokens)
-        if job.batch_tokens > self.batcher.max_batch_tokens:
-            raise RequestError(400, f"the request needs {job.batch_tokens} batch tokens ({job.rows} sequences of up to "
-                                    f"{job.prompt_length} + {job.new_tokens} tokens); this server decodes at most "
-                                    f"{self.batcher.max_batch_tokens} per batch: lower max_tokens, n, best_of or "
-                                    "the number of prompts", "max_tokens")
+        job = Job(prompts, options, self.positions, deliver, stream_tokens=stream_tokens,
+                  timeout=self.request_timeout)
+        refused = self.batcher.refusal(job)
+        if refused:
+            field, message = refused
+            raise RequestError(400, message, field)
         return job
 
     def submit(self, request: CompletionRequest):
         """Queue the request; returns its job and the asyncio queue its events arrive on."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
+        job = None
 
         def deliver(event) -> None:  # on the batcher's thread
+            if isinstance(event, (Done, Failed)):
+                job.finished = True
+            self._observe(job, event)
+            if isinstance(event, Token) and not job.stream_tokens:
+                return
             try:
                 loop.call_soon_threadsafe(events.put_nowait, event)
             except RuntimeError:  # the event loop is gone: the server is stopping
                 pass
 
         job = self.job(request, deliver)
-        self.batcher.submit(job)
+        try:
+            self.batcher.submit(job)
+        except QueueFull as full:
+            self._failed("rejected")
+            raise RequestError(429, f"the server is busy: {full}; retry in {RETRY_AFTER_S} s",
+                               code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except RuntimeError:  # closed: the server is stopping
+            raise RequestError(503, "the server is shutting down", code="unavailable") from None
         return job, events
+
+    def _observe(self, job: Job, event) -> None:
+        if self.metrics is None:
+            return
+        if isinstance(event, Token):
+            self.metrics.tokens(job)
+        elif isinstance(event, Done):
+            new_tokens = sum(len(result["tokens"]) for prompt_results in event.results for result in prompt_results)
+            if job.first_token_at is None:  # not streamed (beam search): all at once
+                self.metrics.tokens(job, new_tokens)
+            self.metrics.prompt_tokens.inc(sum(len(prompt) for prompt in job.prompts))
+            self.metrics.finished(job, [r["finish_reason"] for results in event.results for r in results])
+        elif isinstance(event, Failed):
+            self._failed("timed_out" if event.status == 504 else "server_error")
+
+    def _failed(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.failed(reason)
+
+    def cancel(self, job: Job) -> None:
+        """The client went away before its answer: stop decoding it."""
+        job.cancel()
+        self.batcher.wake()
+        self._failed("cancelled")
 
     def meta(self) -> Dict[str, Any]:
         return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name}
 
-    async def complete(self, request: CompletionRequest) -> Dict[str, Any]:
-        """The response of a request without `stream`."""
+    async def complete(self, request: CompletionRequest, disconnected) -> Optional[Dict[str, Any]]:
+        """The response of a request without `stream`; `disconnected()`: an awaitable that
+        returns when the client has closed its connection (the request is then cancelled, and
+        None returned)."""
         job, events = self.submit(request)
-        while True:
-            event = await events.get()
-            if isinstance(event, Failed):
-                raise ServerFault(event.message)
-            if isinstance(event, Done):
-                break
+        gone = asyncio.ensure_future(disconnected())
+        try:
+            while True:
+                getting = asyncio.ensure_future(events.get())
+                await asyncio.wait({getting, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not getting.done():  # nobody is there to answer
+                    getting.cancel()
+                    self.cancel(job)
+                    return None
+                event = getting.result()
+                if isinstance(event, Failed):
+                    raise ServerFault(event.message, event.status)
+                if isinstance(event, Done):
+                    break
+        finally:
+            gone.cancel()
         choices = [protocol.choice(index, result, request.logprobs) for index, _, result in _choices(event.results)]
         new_tokens = sum(self._new_tokens(result, job.prompts[prompt], request)
                          for _, prompt, result in _choices(event.results))
@@ -106,6 +170,14 @@ class Completions:
     async def _events(self, request: CompletionRequest, job: Job, events: asyncio.Queue,
                       meta: Dict[str, Any]) -> AsyncIterator[str]:
         texts = [self._streamed_text(request, prompt) for prompt in job.prompts] if job.stream_tokens else []
+        try:
+            async for piece in self._pieces(request, job, events, meta, texts):
+                yield piece
+        finally:  # the client went away (the response was cancelled, or closed) before the end
+            if not job.finished:
+                self.cancel(job)
+
+    async def _pieces(self, request, job, events, meta, texts) -> AsyncIterator[str]:
         while True:
             event = await events.get()
             if isinstance(event, Token):

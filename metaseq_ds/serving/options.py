@@ -3,7 +3,7 @@ check before any work (`validate`), `--help` and the one-line error read the sam
 Imports pydantic only, so that `mseq --help` stays free of torch and the web stack."""
 
 from dataclasses import dataclass, fields
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 from pydantic import Field
 
@@ -21,11 +21,24 @@ class ServeOptions:
     # Below 1 KiB no real request fits; above 1 GiB one body could hold the server's memory.
     max_request_bytes: Annotated[int, Field(ge=1024, le=2**30)] = 2**20
     compile: Optional[bool] = None  # the decoding step's (None: on CUDA only)
+    # continuous: sequences join and leave the batch at every step; static: a batch decodes to
+    # its end before the next starts; one: one request at a time (both static: for comparison,
+    # and what launches of several ranks use).
+    batching: Literal["continuous", "static", "one"] = "continuous"
+    # Positions per sequence (prompt + new tokens): the KV cache holds --max-batch-tokens of them,
+    # so fewer positions make room for more sequences at once. None: the model's.
+    max_model_len: Optional[Annotated[int, Field(ge=2)]] = None
+    # Requests queued beyond these are answered 429: a burst waits, a flood is told to come back.
+    max_queued_requests: Annotated[PositiveInt, Field(le=1_000_000)] = 1024
+    # Seconds from arrival to the last token; later is a 504 (and the request stops decoding).
+    request_timeout: Annotated[float, Field(gt=0, le=86_400)] = 600.0
 
     def validate(self) -> None:
         """Every number in its range, else `UsageError` naming the flag."""
         from metaseq_ds.dataclass import validate_value
 
         for name in (f.name for f in fields(self)):
-            if isinstance(getattr(self, name), int) and not isinstance(getattr(self, name), bool):
-                validate_value(ServeOptions, name, getattr(self, name), "--" + name.replace("_", "-"))
+            value = getattr(self, name)
+            if name in ("path", "host", "api_key", "compile") or value is None:
+                continue
+            validate_value(ServeOptions, name, value, "--" + name.replace("_", "-"))

@@ -32,9 +32,11 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 class RequestError(Exception):
     """A request the server refuses: `status` (4xx), a one-line message, the offending field."""
 
-    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None):
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 headers: Optional[Dict[str, str]] = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers  # such as a 429's Retry-After
 
     def body(self) -> Dict[str, Any]:
         """OpenAI's error object (what its client reads the message from)."""

@@ -35,13 +35,11 @@ class ModelRunner:
             return
         owners = [(job, index) for job in jobs for index in range(len(job.prompts))]
 
-        def stream(prompt: int, token: int) -> None:
+        def stream(prompt: int, token: int) -> None:  # every token: the server's metrics count them
             job, index = owners[prompt]
-            if job.stream_tokens:
-                job.deliver(Token(index, token))
+            job.deliver(Token(index, token))
 
-        streaming = any(job.stream_tokens for job in jobs)
-        results = self.interface.generate(prompts, options=options, stream=stream if streaming else None)
+        results = self.interface.generate(prompts, options=options, stream=stream)
         start = 0
         for job in jobs:
             job.deliver(Done(results[start:start + len(job.prompts)]))
