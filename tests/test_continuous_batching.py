@@ -216,3 +216,21 @@ def test_the_cache_is_allocated_once_for_the_token_budget(interface):
     assert "no room" in batcher.refusal(job)[1] and "--max-model-len" in batcher.refusal(job)[1]
     wide, _ = _job(interface, TEXTS * 5, temperature=0, max_tokens=2)
     assert "20 sequences" in batcher.refusal(wide)[1]
+
+
+def test_the_compiled_step_serves_the_same_tokens(interface):
+    from metaseq_ds.hub_utils import GeneratorInterface
+
+    compiled = GeneratorInterface(model=interface.model, task=interface.task, compile=True)
+    batcher = ContinuousBatcher(compiled, max_batch_tokens=4 * POSITIONS)
+    assert batcher.decoding.compiled
+    requests = {name: REQUESTS[name] for name in ("greedy_min_tokens_and_stop", "seeded_sampling", "logprobs")}
+    jobs = {name: _job(compiled, texts, **options) for name, (texts, options) in requests.items()}
+    for job, _ in jobs.values():
+        batcher.submit(job)
+    batcher.start()
+    try:
+        for name, (texts, options) in requests.items():
+            _assert_same_results(jobs[name][1].result.results, _alone(interface, texts, **options))
+    finally:
+        batcher.close()

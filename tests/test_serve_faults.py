@@ -10,7 +10,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
