@@ -17,9 +17,9 @@ that separates documents in training, as OPT's tokenizer does) or lists of token
 as given). The result of a text prompt leaves special tokens out; that of a token-id prompt has
 one entry per token, every id it gave (with `echo`) and every token chosen, </s> included, as
 vLLM's has: a client aligns the log-probabilities with the ids it sent (lm-evaluation-harness
-reads a continuation's as `token_logprobs[context_length:-1]`). A prompt must leave room for at least one new token in the model's positions; a
-longer one is refused, not truncated, and generation stops at the last position
-(finish_reason "length") when `max_tokens` would run past it.
+reads a continuation's as `token_logprobs[context_length:-1]`). A prompt must leave room for
+at least one new token in the model's positions; a longer one is refused, not truncated, and
+generation stops at the last position (finish_reason "length") when `max_tokens` would run past it.
 
 Decoding: temperature 0 is greedy, or beam search over `best_of` beams returning the best `n`
 (length penalty `length_penalty`); temperature > 0 samples `best_of` completions per prompt

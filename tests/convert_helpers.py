@@ -32,12 +32,13 @@ def build_model(model_cfg, seed: int = 0, vocab: int = VOCAB):
     return TransformerLanguageModel.build_model(model_cfg, SimpleNamespace(dictionary=Dictionary.of_size(vocab))).eval()
 
 
-def write_zero0_checkpoint(save_dir: Path, flags, seed: int = 0):
-    """A checkpoint as `mseq train` saves it with ZeRO-0 on one rank (weights only matter here)."""
+def write_zero0_checkpoint(save_dir: Path, flags, seed: int = 0, vocab: int = VOCAB):
+    """A checkpoint as `mseq train` saves it with ZeRO-0 on one rank (weights only matter here);
+    `vocab`: the dictionary's size, padded (the byte tokenizer's by default)."""
     from metaseq_ds.options import parse_train_config
 
     cfg = parse_train_config(flags)
-    model = build_model(cfg.model, seed)
+    model = build_model(cfg.model, seed, vocab)
     write_module_checkpoint(save_dir, "checkpoint_1_0", model.state_dict(), {"config": cfg.to_dict()})
     return model, cfg
 

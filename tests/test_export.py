@@ -33,7 +33,33 @@ def test_exported_model_gives_our_logits(variant, tmp_path):
     assert config["activation_function"] == ("gelu" if variant == "gelu" else "relu")
     assert (config["max_position_embeddings"], config["pad_token_id"], config["eos_token_id"]) == (16, 1, 2)
     assert (tmp_path / "hf" / "generation_config.json").is_file()
-    assert any("byte tokenizer" in note for note in notes)
+    assert notes == []  # the byte tokenizer is exported too
+
+
+TEXTS = ["the model reads tokens", "  two  spaces\n\tand tabs", "héllo — 日本語 🙂", "ünïcödé words"]
+
+
+def test_byte_tokenizer_is_exported_as_a_tokenizer_giving_our_ids(tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from metaseq_ds.data.tokenizers import ByteTokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    write_zero0_checkpoint(tmp_path / "ckpt", variant_flags("pre_ln"))
+    export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+    tokenizer, ours = AutoTokenizer.from_pretrained(tmp_path / "hf"), ByteTokenizer()
+    for text in TEXTS:
+        ids = tokenizer(text)["input_ids"]
+        assert ids == ours.encode(text) and tokenizer.decode(ids) == text
+    # Bytes that are no UTF-8 character decode as ours do (U+FFFD); no id is left unknown.
+    broken = [4 + 0xC3, 4 + 0xC3, 4 + ord("A"), 4 + 0xE6, 4 + 0x97]
+    assert tokenizer.decode(broken) == ours.decode(broken) == "\ufffd\ufffdA\ufffd"
+    assert len(tokenizer) == ours.vocab_size and tokenizer.convert_ids_to_tokens(4 + 0xFF) != "<unk>"
+    # Special tokens as mseq serve's /tokenize and /detokenize read and write them.
+    assert tokenizer("a</s>")["input_ids"] == [4 + ord("a"), 2] and tokenizer.decode([2, 4 + ord("a")]) == "</s>a"
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id) == \
+        (2, 2, 1, 3)
+    assert tokenizer.model_max_length == 16
 
 
 @pytest.mark.parametrize("dtype, torch_dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
@@ -50,11 +76,14 @@ def test_dtype_and_sharded_index(dtype, torch_dtype, tmp_path):
     torch.testing.assert_close(hf.model.decoder.layers[1].fc2.weight, expected["decoder.layers.1.fc2.weight"])
 
 
-def test_tokenizer_of_the_run_is_exported(tmp_path):
+def test_bpe_tokenizer_of_the_run_is_exported(tmp_path, monkeypatch):
     from tokenizers import ByteLevelBPETokenizer
     from transformers import AutoTokenizer
 
     from launch import WORDS
+    from metaseq_ds.data.tokenizers import build_tokenizer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator([" ".join(WORDS)] * 20, vocab_size=300, special_tokens=["<s>", "<pad>", "</s>", "<unk>"])
@@ -64,9 +93,12 @@ def test_tokenizer_of_the_run_is_exported(tmp_path):
     write_zero0_checkpoint(tmp_path / "ckpt", flags)
     assert export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf")) == []
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf")
-    text = "the model reads tokens"
-    assert tokenizer(text)["input_ids"] == bpe.encode(text).ids
-    assert (tokenizer.eos_token_id, tokenizer.pad_token_id) == (2, 1)
+    ours = build_tokenizer(None, str(tmp_path / "vocab.json"), str(tmp_path / "merges.txt"))
+    for text in TEXTS:
+        ids = tokenizer(text)["input_ids"]
+        assert ids == ours.encode(text) == bpe.encode(text).ids and tokenizer.decode(ids) == ours.decode(ids) == text
+    assert tokenizer("reads</s>")["input_ids"] == ours.encode("reads") + [2]
+    assert (tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.model_max_length) == (2, 1, 16)
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 concurrent requests share decoding batches; bad requests get one-line 4xx answers and the server
 goes on; the real command and a 2-rank deepspeed launch serve the same completions."""
 
+import contextlib
 import json
 import socket
 import sys
@@ -367,14 +368,18 @@ def test_tokenizer_routes_need_the_key(server):
         assert request(server.url, method, path, body, bearer())[0] == 200
 
 
-def test_echo_of_a_tokenized_prompt_has_one_entry_per_id_sent(server):
+@pytest.mark.parametrize("batching", ["continuous", "static"])
+def test_echo_of_a_tokenized_prompt_has_one_entry_per_id_sent(interface, server, batching):
     """lm-eval reads a continuation's log-probabilities as token_logprobs[context_length:-1] of the
     echoed token ids it sent: every id needs its entry, the leading </s> included; a text
-    prompt's echo leaves out the </s> the server put before it."""
+    prompt's echo leaves out the </s> the server put before it. Both batchers make the results."""
     fields = dict(temperature=0, max_tokens=1, logprobs=1, echo=True)
-    text = _client(server.url).completions.create(model="tiny", prompt="abc", **fields).choices[0]
-    ids = [2, 4 + ord("a"), 4 + ord("b"), 4 + ord("c")]
-    tokens = _client(server.url).completions.create(model="tiny", prompt=ids, **fields).choices[0]
+    with contextlib.ExitStack() as stack:
+        url = server.url if batching == "continuous" else \
+            stack.enter_context(server_thread(interface, batching=batching)).url
+        text = _client(url).completions.create(model="tiny", prompt="abc", **fields).choices[0]
+        ids = [2, 4 + ord("a"), 4 + ord("b"), 4 + ord("c")]
+        tokens = _client(url).completions.create(model="tiny", prompt=ids, **fields).choices[0]
     assert tokens.text == text.text and tokens.text.startswith("abc")
     assert tokens.logprobs.tokens == [""] + text.logprobs.tokens and len(tokens.logprobs.tokens) == len(ids) + 1
     assert tokens.logprobs.text_offset == [0] + text.logprobs.text_offset == [0, 0, 1, 2, 3]

@@ -7,7 +7,8 @@ CKPT is a save dir (its `checkpoint_last`) or a `checkpoint_*` dir, saved by any
 ranks with any ZeRO stage and tensor-parallel degree (shards are merged by the partition
 metadata the checkpoint records). OUT gets `config.json`, `generation_config.json`, the
 weights as `model.safetensors` (or shards + `model.safetensors.index.json` above
-`--max-shard-size`) and, when the run had tokenizer files, the tokenizer. Weights stream
+`--max-shard-size`) and the run's tokenizer (`AutoTokenizer.from_pretrained(OUT)` loads it:
+GPT-2 BPE, a tokenizer.json, or the byte tokenizer as an equivalent byte-level one). Weights stream
 tensor by tensor from memory-mapped files, so the export never holds two copies of the model.
 """
 
@@ -55,7 +56,7 @@ def export_hf(checkpoint: str, out: str, dtype: str = "fp32", max_shard_size: st
         hf_config.save_pretrained(staging)
         GenerationConfig.from_model_config(hf_config).save_pretrained(staging)
         write_model(staging, tensors, max_bytes)
-        notes = export_tokenizer(meta["config"].get("task", {}), staging)
+        notes = export_tokenizer(meta["config"].get("task", {}), staging, hf_config.max_position_embeddings)
     return notes
 
 
@@ -111,13 +112,11 @@ def pending_hf_tensors(weights: Dict[str, Any], model_cfg, torch_dtype, where: P
     return tensors
 
 
-def export_tokenizer(task_cfg: Dict[str, Any], folder: Path) -> List[str]:
-    """The run's tokenizer as a `PreTrainedTokenizerFast` (OPT's special tokens); notes if none."""
+def export_tokenizer(task_cfg: Dict[str, Any], folder: Path, max_length: int) -> List[str]:
+    """The run's tokenizer as a `PreTrainedTokenizerFast` (OPT's special tokens, `max_length`
+    positions); notes if its files are gone."""
     hf_tokenizer = task_cfg.get("hf_tokenizer")
     vocab, merges = task_cfg.get("vocab_filename"), task_cfg.get("merges_filename")
-    if not (hf_tokenizer or vocab or merges):
-        return ["no tokenizer files written: the run used the byte tokenizer (id = 4 + UTF-8 byte), "
-                "which has no Hugging Face tokenizer; feed token ids directly"]
     missing = [p for p in (hf_tokenizer, vocab, merges) if p and not Path(p).is_file()]
     if missing:
         return [f"no tokenizer files written: the run's {missing[0]} is not there any more"]
@@ -126,12 +125,35 @@ def export_tokenizer(task_cfg: Dict[str, Any], folder: Path) -> List[str]:
 
     if hf_tokenizer:
         backend = Tokenizer.from_file(hf_tokenizer)
-    else:  # what `tokenizers.ByteLevelBPETokenizer.from_file` (our training tokenizer) builds
+    elif vocab or merges:  # what `tokenizers.ByteLevelBPETokenizer.from_file` (our training tokenizer) builds
         backend = Tokenizer(models.BPE.from_file(vocab, merges))
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         backend.decoder = decoders.ByteLevel()
-    # OPT's conventions: `</s>` ends (and, in OPT's own tokenizer, starts) documents.
+    else:
+        backend = byte_tokenizer()
+    # OPT's conventions: `</s>` ends (and, in OPT's own tokenizer, starts) documents. No clean-up
+    # of spaces before punctuation when decoding (transformers 4's default): decode gives our text.
     PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="</s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>"
+        tokenizer_object=backend, bos_token="</s>", eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
+        model_max_length=max_length, clean_up_tokenization_spaces=False,
     ).save_pretrained(folder)
     return []
+
+
+def byte_tokenizer():
+    """`data.tokenizers.ByteTokenizer` (id = 4 + UTF-8 byte) as a `tokenizers.Tokenizer`: the
+    ByteLevel pre-tokenizer, without its regex or prefix space, maps each byte of the text to one
+    character of GPT-2's byte alphabet, which a BPE without merges maps to its id; the ByteLevel
+    decoder maps the characters back to bytes (undecodable ones, as ours, to U+FFFD)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from metaseq_ds.data.dictionary import SPECIAL_SYMBOLS
+    from metaseq_ds.data.tokenizers import ByteTokenizer
+
+    vocab = {symbol: index for index, symbol in enumerate(SPECIAL_SYMBOLS)}
+    vocab.update({char: ByteTokenizer.offset + byte for byte, char in bytes_to_unicode().items()})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    return backend

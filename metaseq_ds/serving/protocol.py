@@ -71,14 +71,20 @@ class CompletionRequest:
     model: Optional[str]
 
 
-def parse_completion_request(body: bytes) -> CompletionRequest:
-    """The request in `body`, or `RequestError` (400) naming the first bad field."""
+def json_object(body: bytes) -> Dict[str, Any]:
+    """The JSON object a request body must be, or `RequestError` (400)."""
     try:
         data = json.loads(body)
     except ValueError as error:
         raise RequestError(400, f"the request body is not valid JSON ({error})") from None
     if not isinstance(data, dict):
         raise RequestError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    return data
+
+
+def parse_completion_request(body: bytes) -> CompletionRequest:
+    """The request in `body`, or `RequestError` (400) naming the first bad field."""
+    data = json_object(body)
     for key in data:
         if key in UNSUPPORTED_FIELDS:
             raise RequestError(400, f"{key} is not supported by this server", key)

@@ -12,13 +12,12 @@ takes the server's `GeneratorInterface` and a request body; bad input is `Reques
 naming the field.
 """
 
-import json
 import re
 from typing import Any, Dict, List, Optional, Type, TypeVar
 
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, ValidationError
 
-from metaseq_ds.serving.protocol import RequestError
+from metaseq_ds.serving.protocol import RequestError, json_object
 
 Request = TypeVar("Request", bound=BaseModel)
 
@@ -99,13 +98,7 @@ def _specials(interface) -> Dict[str, int]:
 
 def _parse(body: bytes, model: Type[Request]) -> Request:
     try:
-        data = json.loads(body)
-    except ValueError as error:
-        raise RequestError(400, f"the request body is not valid JSON ({error})") from None
-    if not isinstance(data, dict):
-        raise RequestError(400, f"the request body must be a JSON object, got {type(data).__name__}")
-    try:
-        return model.model_validate(data)
+        return model.model_validate(json_object(body))
     except ValidationError as error:
         problem = error.errors()[0]
         field = ".".join(str(part) for part in problem["loc"]) or None
