@@ -377,9 +377,13 @@ def test_echo_of_a_tokenized_prompt_has_one_entry_per_id_sent(interface, server,
     with contextlib.ExitStack() as stack:
         url = server.url if batching == "continuous" else \
             stack.enter_context(server_thread(interface, batching=batching)).url
-        text = _client(url).completions.create(model="tiny", prompt="abc", **fields).choices[0]
+        text_answer = _client(url).completions.create(model="tiny", prompt="abc", extra_body={"min_tokens": 1}, **fields)
         ids = [2, 4 + ord("a"), 4 + ord("b"), 4 + ord("c")]
-        tokens = _client(url).completions.create(model="tiny", prompt=ids, **fields).choices[0]
+        tokens_answer = _client(url).completions.create(model="tiny", prompt=ids, extra_body={"min_tokens": 1},
+                                                     **fields)
+    text, tokens = text_answer.choices[0], tokens_answer.choices[0]
+    # `usage` counts the new token only: the echoed prompt as sent (here 4 ids) is not new.
+    assert tokens_answer.usage.completion_tokens == 1 and tokens_answer.usage.prompt_tokens == 4
     assert tokens.text == text.text and tokens.text.startswith("abc")
     assert tokens.logprobs.tokens == [""] + text.logprobs.tokens and len(tokens.logprobs.tokens) == len(ids) + 1
     assert tokens.logprobs.text_offset == [0] + text.logprobs.text_offset == [0, 0, 1, 2, 3]

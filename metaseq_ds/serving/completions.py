@@ -26,6 +26,7 @@ import uuid
 from typing import Any, AsyncIterator, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from metaseq_ds.errors import UsageError
+from metaseq_ds.hub_utils import TextIds
 from metaseq_ds.serving import protocol
 from metaseq_ds.serving.batcher import Done, Failed, Job, JobQueue, QueueFull, Token
 from metaseq_ds.serving.protocol import CompletionRequest, RequestError
@@ -201,8 +202,14 @@ class Completions:
                             prompt=prompt if request.options.echo else ())
 
     def _new_tokens(self, result: dict, prompt: List[int], request: CompletionRequest) -> int:
-        """Completion tokens of a result for `usage`: its tokens without the echoed prompt."""
-        echoed = sum(t not in self.interface.special_ids() for t in prompt) if request.options.echo else 0
+        """Completion tokens of a result for `usage`: its tokens without the echoed prompt (a text
+        prompt's without its special tokens, a token-id prompt's as sent: see `hub_utils.TextIds`)."""
+        if not request.options.echo:
+            echoed = 0
+        elif isinstance(prompt, TextIds):
+            echoed = sum(t not in self.interface.special_ids() for t in prompt)
+        else:
+            echoed = len(prompt)
         return len(result["tokens"]) - echoed
 
 
