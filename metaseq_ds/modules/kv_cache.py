@@ -86,9 +86,10 @@ class StaticKVCache(nn.Module):
         return getattr(self, f"keys_{layer}", None), getattr(self, f"values_{layer}", None)
 
     def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-               slots: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+               slots: Optional[torch.Tensor] = None, length: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """Write (B, nh, T, hs) keys and values at `positions` (B, T) of `slots` (B,) (None: slots
-        0 .. B-1); returns all (B, nh, capacity, hs) keys and values of those slots.
+        0 .. B-1); returns all (B, nh, capacity, hs) keys and values of those slots, or their
+        first `length` positions.
 
         A layer's buffers are allocated at its first write (a prefill, never a compiled step) with
         the heads and dtype it writes: a tensor-parallel rank's share of the heads, for one.
@@ -105,14 +106,19 @@ class StaticKVCache(nn.Module):
         # Indexing dims 0 and 2 puts the indexed dims first: (B, T, nh, hs) is what is written.
         cached_keys[rows[:, None], :, positions] = keys.transpose(1, 2)
         cached_values[rows[:, None], :, positions] = values.transpose(1, 2)
-        if slots is None and keys.size(0) == self.slots:
-            return cached_keys, cached_values  # every slot, in order: no copy
-        return cached_keys[rows], cached_values[rows]
+        if slots is None:  # the first B slots: a view, no copy
+            return cached_keys[:keys.size(0), :, :length], cached_values[:keys.size(0), :, :length]
+        return cached_keys[rows, :, :length], cached_values[rows, :, :length]
 
-    def attention_mask(self, positions: torch.Tensor) -> torch.Tensor:
-        """(B, 1, T, capacity), True = may attend: the query at position p sees cached positions 0 .. p."""
-        cached = torch.arange(self.capacity, device=positions.device)
+    def attention_mask(self, positions: torch.Tensor, length: Optional[int] = None) -> torch.Tensor:
+        """(B, 1, T, capacity or `length`), True = may attend: the query at position p sees cached
+        positions 0 .. p."""
+        cached = torch.arange(length or self.capacity, device=positions.device)
         return (cached[None, None, :] <= positions[:, :, None])[:, None]
+
+    def window(self, length: int) -> "CacheWindow":
+        """This cache read up to position `length` only (every written position below it)."""
+        return CacheWindow(self, length)
 
     @torch.no_grad()
     def reorder(self, order: torch.Tensor) -> None:
@@ -128,10 +134,26 @@ class StaticKVCache(nn.Module):
             buffer.zero_()
 
 
+class CacheWindow(NamedTuple):
+    """The first `length` positions of a `StaticKVCache`, used where the cache is (an eager step
+    whose sequences are all shorter reads only those; a compiled step keeps the whole cache, its
+    one shape). Writes go to the cache itself."""
+
+    cache: StaticKVCache
+    length: int
+
+    def update(self, layer: int, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+               slots: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.update(layer, keys, values, positions, slots, self.length)
+
+    def attention_mask(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.cache.attention_mask(positions, self.length)
+
+
 class CacheWrite(NamedTuple):
     """Where one attention layer's new keys and values go in a `StaticKVCache` (see `update`)."""
 
-    cache: StaticKVCache
+    cache: StaticKVCache  # or a CacheWindow of one
     layer: int
     positions: torch.Tensor  # (B, T)
     slots: Optional[torch.Tensor]  # (B,), or None: slots 0 .. B-1

@@ -28,7 +28,7 @@ the running ones have finished (new ones are not admitted past it), then decodes
 import logging
 import threading
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -206,7 +206,8 @@ class ContinuousBatcher(JobQueue):
                     s.next_lprobs = None
                 allow_end = torch.full((len(request.sequences),), request.min_tokens <= 0, device=self.device)
                 _, allowed, greedy = static_decoding.choices(lprobs, self.banned, self.end_tokens, allow_end)
-                self._choose({request: (request.sequences, lprobs, allowed, greedy)})
+                self._choose([(request, request.sequences, list(range(len(request.sequences))))],
+                             lprobs, allowed, greedy)
         decoding = [r for r in self.requests if r.step > 0]
         if decoding:
             self._step(decoding)
@@ -271,61 +272,68 @@ class ContinuousBatcher(JobQueue):
         return self.decoder.get_normalized_probs((logits, extra), log_probs=True)[0]
 
     def _step(self, decoding: List[Request]) -> None:
-        """One token for every decoding sequence: the compiled step over all slots (the others
-        write a pad where their own tokens will overwrite it), then each request's choice."""
+        """One token for every decoding sequence: a step over the slots (the others write a pad
+        where their own tokens will overwrite it), then each request's choice. Compiled, the
+        step covers every slot and position (one shape); eager, only the slots up to the last
+        busy one and the positions up to the furthest (free slots are taken lowest first)."""
         tokens = torch.full((self.slots, 1), self.pad, dtype=torch.long)
         positions = torch.zeros((self.slots, 1), dtype=torch.long)
         allow_end = torch.ones(self.slots, dtype=torch.bool)
-        for request in self.requests:
-            for s in request.sequences:
-                if s.reason is not None:
-                    continue
-                if request.step > 0:
-                    tokens[s.slot, 0] = s.new_tokens[-1]
-                    positions[s.slot, 0] = s.position
-                    allow_end[s.slot] = request.step >= request.min_tokens
-                else:  # still prefilling (or waiting for its siblings): its next chunk overwrites this
-                    positions[s.slot, 0] = min(s.filled, self.cache.capacity - 1)
-        lprobs, allowed, greedy = self.decoding.step(self.cache, tokens.to(self.device), positions.to(self.device),
-                                                     self.banned, self.end_tokens, allow_end.to(self.device))
-        chosen = {}
-        for request in decoding:
-            going = request.going
-            rows = torch.tensor([s.slot for s in going], device=self.device)
-            chosen[request] = (going, lprobs.index_select(0, rows), allowed.index_select(0, rows),
-                               greedy.index_select(0, rows))
-        self._choose(chosen)
+        busy = [(request, s) for request in self.requests for s in request.sequences if s.reason is None]
+        for request, s in busy:
+            if request.step > 0:
+                tokens[s.slot, 0] = s.new_tokens[-1]
+                positions[s.slot, 0] = s.position
+                allow_end[s.slot] = request.step >= request.min_tokens
+            else:  # still prefilling (or waiting for its siblings): its next chunk overwrites this
+                positions[s.slot, 0] = min(s.filled, self.cache.capacity - 1)
+        cache, rows = self.cache, self.slots
+        if not self.decoding.compiled:
+            rows = 1 + max(s.slot for _, s in busy)
+            cache = self.cache.window(1 + int(positions[:rows].max()))
+        lprobs, allowed, greedy = self.decoding.step(
+            cache, tokens[:rows].to(self.device), positions[:rows].to(self.device), self.banned, self.end_tokens,
+            allow_end[:rows].to(self.device))
+        self._choose([(request, request.going, [s.slot for s in request.going]) for request in decoding],
+                     lprobs, allowed, greedy)
 
-    def _choose(self, chosen: Dict[Request, tuple]) -> None:
-        """Each request's next token per going sequence, from (sequences, lprobs, allowed, greedy)
-        rows: greedy, or drawn from the request's generator; then kept, streamed and checked."""
-        picks = []
-        for request, (going, lprobs, allowed, greedy) in chosen.items():
-            if request.extra_ends is not None and request.step < request.min_tokens:
-                # Its stop tokens are banned too before min_tokens (the step bans only eos).
-                _, allowed, greedy = static_decoding.choices(
-                    lprobs, self.banned, request.extra_ends,
-                    torch.zeros(len(going), dtype=torch.bool, device=self.device))
-            tokens = greedy if request.rng is None else request.generator._draw(allowed, request.rng)
-            picks.append(torch.stack([tokens.to(lprobs.dtype), lprobs.gather(1, tokens[:, None]).squeeze(1)]))
-        values = torch.cat(picks, dim=1).cpu() if picks else None  # one read of the device per step
-        at = 0
-        for request, (going, lprobs, _, _) in chosen.items():
+    def _choose(self, entries, lprobs: torch.Tensor, allowed: torch.Tensor, greedy: torch.Tensor) -> None:
+        """The next token of each going sequence: `entries` are (request, its going sequences,
+        their rows of `lprobs`/`allowed`/`greedy`). Greedy takes `greedy`; a request that samples
+        draws from its own generator over its rows, and one with stop tokens before its
+        min_tokens bans them too (the step bans only eos). Then each token is kept, streamed and
+        checked for the end, with one read of the device for all."""
+        chosen = greedy
+        for request, going, rows in entries:
+            extra_bans = request.extra_ends is not None and request.step < request.min_tokens
+            if request.rng is None and not extra_bans:
+                continue
+            index = torch.tensor(rows, device=self.device)
+            own_allowed, own_greedy = allowed.index_select(0, index), greedy.index_select(0, index)
+            if extra_bans:
+                _, own_allowed, own_greedy = static_decoding.choices(
+                    lprobs.index_select(0, index), self.banned, request.extra_ends,
+                    torch.zeros(len(rows), dtype=torch.bool, device=self.device))
+            own = own_greedy if request.rng is None else request.generator._draw(own_allowed, request.rng)
+            chosen = chosen.index_copy(0, index, own)
+        scores = lprobs.gather(1, chosen[:, None]).squeeze(1)
+        values = torch.stack([chosen.to(scores.dtype), scores]).cpu().tolist()
+        for request, going, rows in entries:
             k = request.job.options.logprobs
-            tops = lprobs.topk(k, dim=-1) if k else None
-            tops = (tops[0].cpu(), tops[1].cpu()) if k else None
-            for i, s in enumerate(going):
-                token, score = int(values[0, at + i]), float(values[1, at + i])
+            if k:
+                top_values, top_ids = lprobs.index_select(0, torch.tensor(rows, device=self.device)).topk(k, dim=-1)
+                top_values, top_ids = top_values.cpu(), top_ids.cpu()
+            for i, (s, row) in enumerate(zip(going, rows)):
+                token = int(values[0][row])
                 s.new_tokens.append(token)
-                s.scores.append(score)
+                s.scores.append(values[1][row])
                 if k:
-                    s.tops.append((tops[0][i], tops[1][i]))
+                    s.tops.append((top_values[i], top_ids[i]))
                 request.job.deliver(Token(s.prompt_index, token))
                 s.reason = request.generator._finish_reason(s.new_tokens, request.step, request.min_tokens,
                                                              request.max_tokens)
                 if s.reason is not None:
                     self.free.append(s.slot)
-            at += len(going)
             request.step += 1
             if not request.going:
                 self._finish(request)
