@@ -267,8 +267,10 @@ def test_every_numeric_option_of_the_other_commands_out_of_range_is_refused_firs
         swept.add(("validate", flag(name)))
     sweep_command(tally, ["migrate", str(source)], "MigrateOptions", "jobs", int, field_bounds(MigrateOptions, "jobs"))
     swept.add(("migrate", "--jobs"))
-    for name in ("port", "max_batch_tokens", "max_request_bytes"):  # refused before a port is bound
-        sweep_command(tally, ["serve", "--path", missing], "ServeOptions", name, int, field_bounds(ServeOptions, name))
+    serve_numbers = {"port": int, "max_batch_tokens": int, "max_request_bytes": int, "max_model_len": int,
+                     "max_queued_requests": int, "request_timeout": float}
+    for name, kind in serve_numbers.items():  # refused before a port is bound
+        sweep_command(tally, ["serve", "--path", missing], "ServeOptions", name, kind, field_bounds(ServeOptions, name))
         swept.add(("serve", flag(name)))
     for name in ("ranks", "tensor_parallel_size", "zero_stage"):  # refused before the checkpoint is looked for
         sweep_command(tally, ["reshard", missing, str(tmp_path / "out")], "TargetLayout", name, int,
