@@ -218,14 +218,22 @@ def test_the_cache_is_allocated_once_for_the_token_budget(interface):
     assert "20 sequences" in batcher.refusal(wide)[1]
 
 
-def test_the_compiled_step_serves_the_same_tokens(interface):
+def test_the_compiled_step_serves_the_same_tokens_with_a_graph_per_window(tmp_path):
+    from torch._dynamo.utils import counters
+
+    from convert_helpers import TINY_MODEL, write_zero0_checkpoint
     from metaseq_ds.hub_utils import GeneratorInterface
 
+    write_zero0_checkpoint(tmp_path / "ckpt", [flag if flag != "16" else "256" for flag in TINY_MODEL])  # 256 positions
+    interface = GeneratorInterface(str(tmp_path / "ckpt"))
+    interface.load_model()
     compiled = GeneratorInterface(model=interface.model, task=interface.task, compile=True)
-    batcher = ContinuousBatcher(compiled, max_batch_tokens=4 * POSITIONS)
-    assert batcher.decoding.compiled
+    batcher = ContinuousBatcher(compiled, max_batch_tokens=8 * 128, max_model_len=128)  # reads 64 or 128
+    assert batcher.decoding.compiled and batcher.cache.capacity == 128
     requests = {name: REQUESTS[name] for name in ("greedy_min_tokens_and_stop", "seeded_sampling", "logprobs")}
+    requests["past_64_positions"] = (["word " * 11], dict(temperature=0, max_tokens=10))  # 56 + 10 positions
     jobs = {name: _job(compiled, texts, **options) for name, (texts, options) in requests.items()}
+    counters.clear()
     for job, _ in jobs.values():
         batcher.submit(job)
     batcher.start()
@@ -234,3 +242,4 @@ def test_the_compiled_step_serves_the_same_tokens(interface):
             _assert_same_results(jobs[name][1].result.results, _alone(interface, texts, **options))
     finally:
         batcher.close()
+    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]

@@ -273,9 +273,11 @@ class ContinuousBatcher(JobQueue):
 
     def _step(self, decoding: List[Request]) -> None:
         """One token for every decoding sequence: a step over the slots (the others write a pad
-        where their own tokens will overwrite it), then each request's choice. Compiled, the
-        step covers every slot and position (one shape); eager, only the slots up to the last
-        busy one and the positions up to the furthest (free slots are taken lowest first)."""
+        where their own tokens will overwrite it), then each request's choice. The step reads
+        the cache up to the furthest position only: short sequences do not pay for the
+        capacity. Compiled, it covers every slot and a power of two of positions (a graph per
+        bucket, a few in all); eager, only the slots up to the last busy one (free slots are
+        taken lowest first) and the positions exactly."""
         tokens = torch.full((self.slots, 1), self.pad, dtype=torch.long)
         positions = torch.zeros((self.slots, 1), dtype=torch.long)
         allow_end = torch.ones(self.slots, dtype=torch.bool)
@@ -287,10 +289,11 @@ class ContinuousBatcher(JobQueue):
                 allow_end[s.slot] = request.step >= request.min_tokens
             else:  # still prefilling (or waiting for its siblings): its next chunk overwrites this
                 positions[s.slot, 0] = min(s.filled, self.cache.capacity - 1)
-        cache, rows = self.cache, self.slots
-        if not self.decoding.compiled:
-            rows = 1 + max(s.slot for _, s in busy)
-            cache = self.cache.window(1 + int(positions[:rows].max()))
+        rows = self.slots if self.decoding.compiled else 1 + max(s.slot for _, s in busy)
+        furthest = 1 + int(positions[:rows].max())
+        # Compiled, the positions read come in a few buckets (a graph each); eager, exactly.
+        length = self.decoding.buckets(1, furthest)[1] if self.decoding.compiled else furthest
+        cache = self.cache.window(length) if length < self.cache.capacity else self.cache
         lprobs, allowed, greedy = self.decoding.step(
             cache, tokens[:rows].to(self.device), positions[:rows].to(self.device), self.banned, self.end_tokens,
             allow_end[:rows].to(self.device))
