@@ -164,10 +164,10 @@ class GeneratorInterface:
                                       compile=self.compile)
         hypos = generator.generate([self.model], prompts, stream=stream, min_tokens=[o.min_tokens for o in options],
                                    max_tokens=[o.max_tokens for o in options])
-        return [[self._result(h, shared, isinstance(prompt, TextIds)) for h in prompt_hypos]
+        return [[self.result(h, shared, isinstance(prompt, TextIds)) for h in prompt_hypos]
                 for prompt, prompt_hypos in zip(prompts, hypos)]
 
-    def _result(self, hypo: Dict, options: GenerationOptions, text_prompt: bool) -> Dict:
+    def result(self, hypo: Dict, options: GenerationOptions, text_prompt: bool) -> Dict:
         """metaseq's result dict for one hypothesis, the stop text cut; special tokens dropped
         for a text prompt, every token kept for a token-id prompt (their text is empty)."""
         stop_strings = [s for s in options.stop if isinstance(s, str)]

@@ -274,7 +274,7 @@ class SequenceGenerator(nn.Module):
         limits = Limits([m for m in mins for _ in range(copies)], [m for m in maxs for _ in range(copies)])
         if self.options.beams == 1 and self.static_cache and static_decoding.supports(self.decoder):
             hypos = self._decode_static(rows, limits, device, stream)
-            return [self._best(hypos[i * copies:(i + 1) * copies]) for i in range(len(prompts))]
+            return [self.best(hypos[i * copies:(i + 1) * copies]) for i in range(len(prompts))]
         state: Dict = {}
         reserve_positions(state, tokens.size(1) + max(maxs))  # the KV cache is allocated once
         features, extra = self.decoder.extract_features(tokens, incremental_state=state)
@@ -285,9 +285,9 @@ class SequenceGenerator(nn.Module):
         else:
             hypos = self._sample(tokens, state, logits, limits, device, stream)  # one per row
         add_prompt_info(hypos, prompt_info)
-        return [self._best(hypos[i * copies:(i + 1) * copies]) for i in range(len(prompts))]
+        return [self.best(hypos[i * copies:(i + 1) * copies]) for i in range(len(prompts))]
 
-    def _best(self, rows_hypos: List[List[Hypothesis]]) -> List[Hypothesis]:
+    def best(self, rows_hypos: List[List[Hypothesis]]) -> List[Hypothesis]:
         candidates = sorted((h for row_hypos in rows_hypos for h in row_hypos), key=lambda h: -h["score"])
         return candidates[:self.options.n]
 
@@ -314,7 +314,7 @@ class SequenceGenerator(nn.Module):
             allowed[torch.tensor(early, device=lprobs.device)[:, None], ends] = NEG_INF
         return allowed
 
-    def _finish_reason(self, new_tokens: List[int], step: int, min_new: int, max_new: int) -> Optional[str]:
+    def finish_reason(self, new_tokens: List[int], step: int, min_new: int, max_new: int) -> Optional[str]:
         if new_tokens[-1] == self.eos:
             return EOS
         if step >= min_new and self.stop and self.stop.hit(new_tokens):
@@ -335,13 +335,13 @@ class SequenceGenerator(nn.Module):
         scores: List[List[float]] = [[] for _ in range(batch)]
         tops: List[list] = [[] for _ in range(batch)]
         reasons: List[Optional[str]] = [None] * batch
-        rng = self._sampling_generator(device) if self.options.temperature > 0 else None  # greedy draws nothing
+        rng = self.sampling_generator(device) if self.options.temperature > 0 else None  # greedy draws nothing
         for step in range(max(limits.max)):
             allowed = self._ban(lprobs, step, [limits.min[row] for row in rows])
             if self.options.temperature == 0:
                 chosen = allowed.argmax(dim=-1)  # (A,)
             else:
-                chosen = self._draw(allowed, rng)
+                chosen = self.draw(allowed, rng)
             chosen_scores = lprobs.gather(1, chosen[:, None]).squeeze(1).tolist()
             if self.options.logprobs:
                 top_values, top_ids = self._top(lprobs)
@@ -353,7 +353,7 @@ class SequenceGenerator(nn.Module):
                     tops[row].append((top_values[i], top_ids[i]))
                 if stream is not None:
                     stream(row // self.options.samples, token)  # the prompt whose sample this is
-                reasons[row] = self._finish_reason(new_tokens[row], step, limits.min[row], limits.max[row])
+                reasons[row] = self.finish_reason(new_tokens[row], step, limits.min[row], limits.max[row])
                 if reasons[row] is None:
                     keep.append(i)
             if not keep:
@@ -365,7 +365,7 @@ class SequenceGenerator(nn.Module):
                 self.decoder.reorder_incremental_state(state, order)
                 rows = [rows[i] for i in keep]
             lprobs = self._step(tokens, state)
-        return [[self._hypothesis(new_tokens[r], scores[r], tops[r], reasons[r])] for r in range(batch)]
+        return [[self.hypothesis(new_tokens[r], scores[r], tops[r], reasons[r])] for r in range(batch)]
 
     def _decode_static(self, rows: List[List[int]], limits: Limits, device, stream) -> List[List[Hypothesis]]:
         """Greedy decoding or sampling on a `StaticKVCache`: the prompts prefilled (right-padded,
@@ -404,7 +404,7 @@ class SequenceGenerator(nn.Module):
         positions = lengths[:, None].clone()  # where the next input token goes: (S, 1)
 
         sampling = self.options.temperature > 0
-        rng = self._sampling_generator(device) if sampling else None
+        rng = self.sampling_generator(device) if sampling else None
         sync_every = 1 if sampling or stream is not None else SYNC_EVERY
         new_tokens: List[List[int]] = [[] for _ in range(count)]
         reasons: List[Optional[str]] = [None] * count
@@ -417,7 +417,7 @@ class SequenceGenerator(nn.Module):
             chosen = greedy
             if sampling:
                 going = torch.tensor([row for row in range(count) if reasons[row] is None], device=device)
-                chosen = greedy.index_copy(0, going, self._draw(allowed.index_select(0, going), rng))
+                chosen = greedy.index_copy(0, going, self.draw(allowed.index_select(0, going), rng))
             out_tokens[:, step] = chosen
             out_scores[:, step] = lprobs.gather(1, chosen[:, None]).squeeze(1)
             if k:
@@ -431,7 +431,7 @@ class SequenceGenerator(nn.Module):
                     break
         scores = out_scores.cpu()
         tops = (out_top_values.cpu(), out_top_ids.cpu()) if k else None
-        hypos = [[self._hypothesis(new_tokens[row], scores[row, :len(new_tokens[row])].tolist(),
+        hypos = [[self.hypothesis(new_tokens[row], scores[row, :len(new_tokens[row])].tolist(),
                                    [(tops[0][row, j], tops[1][row, j]) for j in range(len(new_tokens[row]))] if k else [],
                                    reasons[row])]
                  for row in range(count)]
@@ -447,9 +447,9 @@ class SequenceGenerator(nn.Module):
             new_tokens[row].append(token)
             if stream is not None:
                 stream(row // self.options.samples, token)  # the prompt whose sample this is
-            reasons[row] = self._finish_reason(new_tokens[row], step, limits.min[row], limits.max[row])
+            reasons[row] = self.finish_reason(new_tokens[row], step, limits.min[row], limits.max[row])
 
-    def _draw(self, allowed: torch.Tensor, rng: torch.Generator) -> torch.Tensor:
+    def draw(self, allowed: torch.Tensor, rng: torch.Generator) -> torch.Tensor:
         """One token per row of `allowed` (A, V) log-probs, drawn as `options` say."""
         # log-probs differ from the logits by a constant per row: same softmax. Each row is
         # shifted to a maximum of 0 and scaled by a finite 1 / temperature, so that a tiny
@@ -460,14 +460,14 @@ class SequenceGenerator(nn.Module):
         masked = top_p_mask(top_k_mask(scaled, self.options.top_k), self.options.top_p)
         return torch.multinomial(masked.softmax(dim=-1), 1, generator=rng).squeeze(1)
 
-    def _sampling_generator(self, device) -> torch.Generator:
+    def sampling_generator(self, device) -> torch.Generator:
         """The generator of one call's draws, on the model's device: seeded by the options, or, with
         no seed, from torch's global generator, so that torch.manual_seed still decides."""
         seed = self.options.seed
         return torch.Generator(device=device).manual_seed(
             seed if seed is not None else int(torch.randint(0, 2**62, ()).item()))
 
-    def _hypothesis(self, new_tokens, scores, tops, reason, score=None) -> Hypothesis:
+    def hypothesis(self, new_tokens, scores, tops, reason, score=None) -> Hypothesis:
         positional = torch.tensor(scores, dtype=torch.float)
         if score is None:
             score = positional.sum().item() / (len(scores) ** self.options.length_penalty)
@@ -526,7 +526,7 @@ class SequenceGenerator(nn.Module):
                         last_token = entry["tokens"][-1]
                         reason = EOS if last_token == self.eos else STOP if last_token in self.stop.single_tokens else LENGTH
                         score = cand_scores[g, j].item() / (gen_len ** self.options.length_penalty)
-                        finished[prompt].append(self._hypothesis(entry["tokens"], entry["scores"], entry["tops"], reason, score))
+                        finished[prompt].append(self.hypothesis(entry["tokens"], entry["scores"], entry["tops"], reason, score))
                 finished[prompt] = sorted(finished[prompt], key=lambda h: -h["score"])[:n]
             going_on = cand_scores + ends.float() * NOT_A_BEAM
             running, chosen = going_on.topk(n, dim=-1)  # (G, n)

@@ -145,6 +145,9 @@ def build_app(interface, runner, model_name: str, options: ServeOptions):
         batcher = ContinuousBatcher(interface, options.max_batch_tokens, options.max_model_len,
                                     options.max_queued_requests, metrics)
     else:
+        if options.batching == "continuous":
+            logging.getLogger("metaseq_ds.serving").warning(
+                "continuous batching runs in one process for now: the %d ranks batch requests statically", runner.ranks)
         batcher = Batcher(runner, options.max_batch_tokens, one_at_a_time=options.batching == "one",
                           max_queued=options.max_queued_requests, metrics=metrics)
     completions = Completions(interface, batcher.start(), model_name, metrics, options.request_timeout)

@@ -78,7 +78,7 @@ class Request:
         self.min_tokens = options.min_tokens
         # As `SequenceGenerator.generate` limits a batch: by the room after its longest prompt.
         self.max_tokens = min(options.max_tokens, positions - job.prompt_length)
-        self.rng = generator._sampling_generator(device) if options.temperature > 0 else None
+        self.rng = generator.sampling_generator(device) if options.temperature > 0 else None
         self.step = -1  # the index of the token being chosen; -1 until every sequence is prefilled
         ends = [generator.eos, *generator.stop.single_tokens]
         self.extra_ends = torch.tensor(ends, device=device) if len(ends) > 1 else None
@@ -317,7 +317,7 @@ class ContinuousBatcher(JobQueue):
                 _, own_allowed, own_greedy = static_decoding.choices(
                     lprobs.index_select(0, index), self.banned, request.extra_ends,
                     torch.zeros(len(rows), dtype=torch.bool, device=self.device))
-            own = own_greedy if request.rng is None else request.generator._draw(own_allowed, request.rng)
+            own = own_greedy if request.rng is None else request.generator.draw(own_allowed, request.rng)
             chosen = chosen.index_copy(0, index, own)
         scores = lprobs.gather(1, chosen[:, None]).squeeze(1)
         values = torch.stack([chosen.to(scores.dtype), scores]).cpu().tolist()
@@ -333,7 +333,7 @@ class ContinuousBatcher(JobQueue):
                 if k:
                     s.tops.append((top_values[i], top_ids[i]))
                 request.job.deliver(Token(s.prompt_index, token))
-                s.reason = request.generator._finish_reason(s.new_tokens, request.step, request.min_tokens,
+                s.reason = request.generator.finish_reason(s.new_tokens, request.step, request.min_tokens,
                                                              request.max_tokens)
                 if s.reason is not None:
                     self.free.append(s.slot)
@@ -346,7 +346,7 @@ class ContinuousBatcher(JobQueue):
         generator, options = request.generator, request.job.options
         per_prompt: List[List[List[dict]]] = [[] for _ in request.job.prompts]
         for s in request.sequences:
-            hypo = generator._hypothesis(s.new_tokens, s.scores, s.tops, s.reason)
+            hypo = generator.hypothesis(s.new_tokens, s.scores, s.tops, s.reason)
             if options.echo:
                 hypo["prompt_tokens"] = torch.tensor(s.prompt, dtype=torch.long)
                 hypo["prompt_scores"] = torch.cat([torch.tensor([float("nan")]), *s.prompt_scores])
@@ -354,7 +354,7 @@ class ContinuousBatcher(JobQueue):
                     hypo["prompt_top_logprobs"] = torch.cat([values for values, _ in s.prompt_tops])
                     hypo["prompt_top_tokens"] = torch.cat([ids for _, ids in s.prompt_tops])
             per_prompt[s.prompt_index].append([hypo])
-        results = [[self.interface._result(h, options, isinstance(prompt, TextIds)) for h in generator._best(hypos)]
+        results = [[self.interface.result(h, options, isinstance(prompt, TextIds)) for h in generator.best(hypos)]
                    for prompt, hypos in zip(request.job.prompts, per_prompt)]
         self.requests.remove(request)
         request.job.deliver(Done(results))
