@@ -12,8 +12,9 @@ worker thread:
 3. prefills at most `prefill_tokens` prompt tokens, oldest first, into their slots: a long
    prompt goes in chunks over several turns, so the running sequences are not stalled behind
    it (with `echo`, the prompt's log-probabilities are taken from each chunk);
-4. runs one decoding step over every slot (`StaticDecoding.step`: compiled, one fixed shape)
-   and chooses each request's tokens.
+4. runs one decoding step over every slot (`StaticDecoding.step`: compiled, one fixed shape
+   per window of positions, all compiled at `start`, before the first request) and chooses
+   each request's tokens.
 
 Results equal `mseq generate`'s for the same request alone: tokens are chosen by the same
 `SequenceGenerator` rules (bans, min/max tokens, stop tokens and strings, logprobs, echo), and
@@ -118,8 +119,39 @@ class ContinuousBatcher(JobQueue):
         self.thread = threading.Thread(target=self._work, name="mseq-serve-scheduler", daemon=True)
 
     def start(self) -> "ContinuousBatcher":
+        if self.decoding.compiled:
+            self._compile_windows()
         self.thread.start()
         return self
+
+    def windows(self) -> List[int]:
+        """The positions a compiled step may read (`_step`'s buckets up to the cache's capacity):
+        a graph each."""
+        lengths, n = set(), 1
+        while n < self.cache.capacity:
+            lengths.add(self.decoding.buckets(1, n)[1])
+            n *= 2
+        return sorted(lengths | {self.cache.capacity})
+
+    @torch.no_grad()
+    def _compile_windows(self) -> None:
+        """Compile (on CUDA: also record the CUDA graph of) the step of every window now, before
+        the first request: met later, a new window would stall every running sequence for its
+        compilation (tens of seconds for a large model). Twice each, as CUDA graph trees warm a
+        graph up before they record it. The pads written at position 0 are cleared after."""
+        started = time.perf_counter()
+        tokens = torch.full((self.slots, 1), self.pad, dtype=torch.long, device=self.device)
+        positions = torch.zeros((self.slots, 1), dtype=torch.long, device=self.device)
+        allow_end = torch.ones(self.slots, dtype=torch.bool, device=self.device)
+        self.decoding.prefill(self.cache, tokens)  # the cache's buffers come with a first (eager) write
+        windows = self.windows()
+        for length in windows:
+            cache = self.cache.window(length) if length < self.cache.capacity else self.cache
+            for _ in range(2):
+                self.decoding.step(cache, tokens, positions, self.banned, self.end_tokens, allow_end)
+        self.cache.clear()
+        logger.info("compiled the decoding step of %d slots for %d windows of positions (%s) in %.1f s", self.slots,
+                    len(windows), ", ".join(map(str, windows)), time.perf_counter() - started)
 
     def refusal(self, job: Job) -> Optional[Tuple[str, str]]:
         if job.prompt_length >= self.positions:
