@@ -117,11 +117,15 @@ class ContinuousBatcher(JobQueue):
         self.requests: List[Request] = []  # admitted, in arrival order
         self.free = list(range(self.slots))
         self.thread = threading.Thread(target=self._work, name="mseq-serve-scheduler", daemon=True)
+        self.ready = threading.Event()  # set once the worker has compiled the step (or failed to start)
+        self.start_error: Optional[BaseException] = None
 
     def start(self) -> "ContinuousBatcher":
-        if self.decoding.compiled:
-            self._compile_windows()
+        """Starts the worker and returns once it is ready to decode (compiled, where it compiles)."""
         self.thread.start()
+        self.ready.wait()
+        if self.start_error is not None:
+            raise self.start_error
         return self
 
     def windows(self) -> List[int]:
@@ -137,8 +141,9 @@ class ContinuousBatcher(JobQueue):
     def _compile_windows(self) -> None:
         """Compile (on CUDA: also record the CUDA graph of) the step of every window now, before
         the first request: met later, a new window would stall every running sequence for its
-        compilation (tens of seconds for a large model). Twice each, as CUDA graph trees warm a
-        graph up before they record it. The pads written at position 0 are cleared after."""
+        compilation (tens of seconds for a large model). On the worker's thread, which replays
+        them: CUDA graph trees are per thread. Twice each, as CUDA graph trees warm a graph up
+        before they record it. The pads written at position 0 are cleared after."""
         started = time.perf_counter()
         tokens = torch.full((self.slots, 1), self.pad, dtype=torch.long, device=self.device)
         positions = torch.zeros((self.slots, 1), dtype=torch.long, device=self.device)
@@ -146,9 +151,8 @@ class ContinuousBatcher(JobQueue):
         self.decoding.prefill(self.cache, tokens)  # the cache's buffers come with a first (eager) write
         windows = self.windows()
         for length in windows:
-            cache = self.cache.window(length) if length < self.cache.capacity else self.cache
             for _ in range(2):
-                self.decoding.step(cache, tokens, positions, self.banned, self.end_tokens, allow_end)
+                self.decoding.step(self._reading(length), tokens, positions, self.banned, self.end_tokens, allow_end)
         self.cache.clear()
         logger.info("compiled the decoding step of %d slots for %d windows of positions (%s) in %.1f s", self.slots,
                     len(windows), ", ".join(map(str, windows)), time.perf_counter() - started)
@@ -166,6 +170,14 @@ class ContinuousBatcher(JobQueue):
     # -- the worker ---------------------------------------------------------------------------
 
     def _work(self) -> None:
+        try:
+            if self.decoding.compiled:
+                self._compile_windows()
+        except BaseException as error:  # start() raises it: the server does not listen
+            self.start_error = error
+            return
+        finally:
+            self.ready.set()
         while True:
             with self.changed:
                 self._drop_gone()
@@ -325,12 +337,15 @@ class ContinuousBatcher(JobQueue):
         furthest = 1 + int(positions[:rows].max())
         # Compiled, the positions read come in a few buckets (a graph each); eager, exactly.
         length = self.decoding.buckets(1, furthest)[1] if self.decoding.compiled else furthest
-        cache = self.cache.window(length) if length < self.cache.capacity else self.cache
         lprobs, allowed, greedy = self.decoding.step(
-            cache, tokens[:rows].to(self.device), positions[:rows].to(self.device), self.banned, self.end_tokens,
-            allow_end[:rows].to(self.device))
+            self._reading(length), tokens[:rows].to(self.device), positions[:rows].to(self.device), self.banned,
+            self.end_tokens, allow_end[:rows].to(self.device))
         self._choose([(request, request.going, [s.slot for s in request.going]) for request in decoding],
                      lprobs, allowed, greedy)
+
+    def _reading(self, length: int):
+        """The cache as a step that reads its first `length` positions sees it."""
+        return self.cache.window(length) if length < self.cache.capacity else self.cache
 
     def _choose(self, entries, lprobs: torch.Tensor, allowed: torch.Tensor, greedy: torch.Tensor) -> None:
         """The next token of each going sequence: `entries` are (request, its going sequences,
