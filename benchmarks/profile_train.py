@@ -1,17 +1,86 @@
-"""Where a metaseq_ds (or Hugging Face) training step spends its time: torch.profiler's top ops.
+"""Where a metaseq_ds (or Hugging Face) training step spends its time: torch.profiler, summarised.
 
-    python -m benchmarks.profile_train [--dtype bf16] [--side ours] [--steps 2] [--top 25]
+    python -m benchmarks.profile_train [--dtype bf16] [--side ours] [--steps 2] [--top 25] [--compile-layers]
+    python -m benchmarks.profile_train --layers 24 --dim 2048 --heads 32 --ffn 8192 --seq 2048 --batch 8  # on CUDA
 
 One process, the configuration of `benchmarks/train.py` (same flags, same DeepSpeed config),
-after one warm-up step; prints the ops by self CPU time, summed over `--steps` steps.
+after one warm-up step, `--steps` steps profiled. On CUDA (used whenever there is one) it prints
+the top kernels by GPU time, then the step split into matmul kernels, attention kernels, other
+kernels and the GPU's idle time between kernels (the host gaps: launch overhead, syncs, Python);
+on the CPU the top ops by self CPU time and the same split of the ops' self time.
 """
 
 import argparse
+import re
+import time
+from collections import defaultdict
+from typing import Dict, List, Tuple
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.train_worker import add_run_arguments, batches, hf_step_fn, our_step_fn, train_flags
+
+# Kernel and op names by what they compute (cuBLAS/CUTLASS gemms, flash/memory-efficient
+# attention; on the CPU aten's product ops and oneDNN's linear).
+MATMUL = re.compile(r"gemm|cutlass|xmma|sm\d+_|wgmma|cublas|aten::(mm|addmm|bmm|matmul|linear|_addmm)\b|mkldnn|onednn",
+                    re.IGNORECASE)
+ATTENTION = re.compile(r"flash|fmha|attention|sdpa|softmax_backward_data", re.IGNORECASE)
+
+
+def kind(name: str) -> str:
+    if ATTENTION.search(name):
+        return "attention"
+    return "matmul" if MATMUL.search(name) else "other"
+
+
+def split_by_kind(times: Dict[str, float]) -> Dict[str, float]:
+    """Summed time per kind of the {name: time} given."""
+    kinds: Dict[str, float] = defaultdict(float)
+    for name, value in times.items():
+        kinds[kind(name)] += value
+    return kinds
+
+
+def kernel_intervals(prof) -> List[Tuple[float, float, str]]:
+    """(start us, end us, name) of every GPU kernel and memory copy/set, in start order."""
+    spans = [(event.time_range.start, event.time_range.end, event.name) for event in prof.events()
+             if event.device_type == DeviceType.CUDA]
+    return sorted(spans)
+
+
+def gpu_summary(prof, wall_seconds: float, steps: int, top: int) -> None:
+    spans = kernel_intervals(prof)
+    per_name: Dict[str, float] = defaultdict(float)
+    for start, end, name in spans:
+        per_name[name] += end - start
+    busy, idle, gaps, last_end = 0.0, 0.0, 0, None
+    for start, end, _ in spans:  # kernels of one stream run in order; overlaps count once
+        if last_end is not None and start > last_end:
+            idle += start - last_end
+            gaps += start - last_end > 10.0
+        busy += max(0.0, end - max(start, last_end or start))
+        last_end = end if last_end is None else max(last_end, end)
+    print(f"top {top} kernels by GPU time ({steps} steps):")
+    for name, micros in sorted(per_name.items(), key=lambda item: -item[1])[:top]:
+        print(f"  {micros / 1e3 / steps:9.2f} ms/step  {kind(name):9s}  {name[:100]}")
+    kinds = split_by_kind(per_name)
+    step_ms = wall_seconds * 1e3 / steps
+    print(f"per step: wall {step_ms:.1f} ms; GPU busy {busy / 1e3 / steps:.1f} ms, idle between kernels "
+          f"{idle / 1e3 / steps:.1f} ms ({gaps / steps:.0f} gaps over 10 us)")
+    for name in ("matmul", "attention", "other"):
+        print(f"  {name:9s} kernels {kinds[name] / 1e3 / steps:9.1f} ms/step ({kinds[name] / 1e3 / steps / step_ms:.0%} of the wall)")
+
+
+def cpu_summary(prof, wall_seconds: float, steps: int, top: int) -> None:
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60))
+    self_times = {average.key: average.self_cpu_time_total for average in prof.key_averages()}
+    kinds = split_by_kind(self_times)
+    step_ms = wall_seconds * 1e3 / steps
+    print(f"per step: wall {step_ms:.1f} ms")
+    for name in ("matmul", "attention", "other"):
+        print(f"  {name:9s} ops {kinds[name] / 1e3 / steps:9.1f} ms/step self time ({kinds[name] / 1e3 / steps / step_ms:.0%} of the wall)")
 
 
 def main() -> None:
@@ -24,19 +93,28 @@ def main() -> None:
     args = parser.parse_args()
 
     from metaseq_ds.distributed import utils as dist_utils
+    from metaseq_ds.distributed.deepspeed_config import build_deepspeed_config
     from metaseq_ds.options import parse_train_config
 
     dist_utils.init_distributed()
     args.world_size = 1
     cfg = parse_train_config(train_flags(args))
     torch.manual_seed(cfg.common.seed)
-    step, _ = (our_step_fn if args.side == "ours" else hf_step_fn)(cfg, args)
+    ds_config = build_deepspeed_config(cfg, args.world_size, fp16_supported=False)
+    step, engine = (our_step_fn if args.side == "ours" else hf_step_fn)(cfg, args, ds_config)
+    cuda = engine.device.type == "cuda"
     data = batches(args, 1 + args.steps)
-    step(next(data))  # warm-up
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    step(next(data))  # warm-up (and compilation, with --compile-layers)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
         for tokens in data:
-            step(tokens)
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top, max_name_column_width=60))
+            step(tokens)  # each step ends reading its loss: the device is done with it
+        wall = time.perf_counter() - start
+    print(f"{args.side}, {args.dtype}, {engine.device.type}, ZeRO-{engine.zero_optimization_stage()}, "
+          f"{args.batch} x {args.seq} tokens a step, d {args.dim}, {args.layers} layers"
+          f"{', layers compiled' if args.compile_layers else ''}")
+    (gpu_summary if cuda else cpu_summary)(prof, wall, args.steps, args.top)
 
 
 if __name__ == "__main__":

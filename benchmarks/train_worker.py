@@ -38,7 +38,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adam-impl", default="auto",
                         help="metaseq_ds's --adam-impl (HF runs torch AdamW, as its users do)")
     parser.add_argument("--compile-layers", action="store_true",
-                        help="both sides: torch.compile each decoder layer (regional compilation)")
+                        help="both sides: torch.compile each decoder layer (regional compilation; ours: mseq train's --compile-layers)")
 
 
 def run_flags(args) -> List[str]:
@@ -63,6 +63,8 @@ def train_flags(args) -> List[str]:
         flags += ["--zero-stage", str(args.zero_stage)]
     if args.dtype == "bf16":
         flags.append("--bf16")
+    if args.compile_layers:
+        flags.append("--compile-layers")
     return flags
 
 
@@ -94,8 +96,6 @@ def our_step_fn(cfg, args, ds_config) -> Tuple[StepFn, object]:
     criterion = criterions.build_criterion(cfg.criterion, task)
     zero3_config = ds_config if ds_config["zero_optimization"]["stage"] == 3 else None
     model = build_model(cfg, task, criterion, lambda model: InitialValues(model, model.init_seed), zero3_config)
-    if args.compile_layers:
-        compile_each(model.decoder.layers)
     trainer = Trainer(cfg, task, model, criterion, ds_config)
 
     def step(tokens: torch.Tensor) -> float:

@@ -70,6 +70,11 @@ class DistributedTrainingConfig(MetaseqDataclass):
     checkpoint_activations: bool = field(
         default=False, metadata={"help": "recompute activations in the backward pass to save memory"}
     )
+    compile_layers: bool = field(
+        default=False,
+        metadata={"help": "torch.compile each decoder layer (one graph, shared by all layers; compiled at the "
+                          "first update). Off by default: slower on the CPU (benchmarks/RESULTS.md)"},
+    )
     model_parallel_size: PositiveInt = field(
         default=1, metadata={"help": "tensor-parallel degree (metaseq name); see also --tensor-parallel-size"}
     )

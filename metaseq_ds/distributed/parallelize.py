@@ -1,7 +1,7 @@
 """Apply memory/parallelism transforms to a plain model, after construction, in one place.
 
 torchtitan's order: tensor parallelism (the plan in `tensor_parallel`), then activation
-checkpointing; the data-parallel wrapper (the DeepSpeed engine, ZeRO) comes last, in the
+checkpointing, then regional compilation; the data-parallel wrapper (the DeepSpeed engine, ZeRO) comes last, in the
 trainer. Model code never knows about any of this.
 """
 
@@ -21,7 +21,33 @@ def parallelize(model: torch.nn.Module, cfg: MetaseqConfig, criterion=None) -> t
     apply_tensor_parallel(model, gather_logits=not reads_shards)
     if cfg.distributed_training.checkpoint_activations:
         apply_activation_checkpointing(model)
+    if cfg.distributed_training.compile_layers:
+        compile_layers(model)
     return model
+
+
+def decoder_layers(model: torch.nn.Module, flag: str) -> torch.nn.ModuleList:
+    layers = getattr(getattr(model, "decoder", None), "layers", None)
+    if layers is None:
+        raise UsageError(f"{flag}: {type(model).__name__} has no decoder.layers")
+    return layers
+
+
+def compile_layers(model: torch.nn.Module) -> None:
+    """Regional compilation, as torch recommends for transformers: each decoder layer's forward
+    `torch.compile`d. The layers share their code, so dynamo makes one graph for all of them
+    (the parameters are the graph's inputs), compiled at the first forward.
+
+    The forward is compiled, not the module's call, so the module's hooks run around the compiled
+    code: ZeRO-3 gathers and releases parameters in hooks that dynamo cannot trace, which would
+    break the graph at every linear layer. Each layer is made a ZeRO-3 leaf module for the same
+    reason: its parameters are gathered by one hook on the layer, none on its submodules.
+    """
+    from deepspeed.utils import set_z3_leaf_module
+
+    for layer in decoder_layers(model, "--compile-layers"):
+        layer.forward = torch.compile(layer.forward)
+        set_z3_leaf_module(layer, True)
 
 
 def apply_activation_checkpointing(model: torch.nn.Module) -> None:
@@ -30,10 +56,7 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> None:
     The layer's `forward` is replaced on the instance, so parameter names (and checkpoints)
     stay exactly those of the plain model.
     """
-    layers = getattr(getattr(model, "decoder", None), "layers", None)
-    if layers is None:
-        raise UsageError(f"--checkpoint-activations: {type(model).__name__} has no decoder.layers to checkpoint")
-    for layer in layers:
+    for layer in decoder_layers(model, "--checkpoint-activations"):
         layer.forward = _checkpointed(layer.forward)
 
 
