@@ -7,6 +7,7 @@ from metaseq_ds.criterions.base_criterion import BaseCriterion
 from metaseq_ds.criterions.registry import register_criterion
 from metaseq_ds.dataclass import MetaseqDataclass
 from metaseq_ds.logging import metrics
+from metaseq_ds.models.transformer_decoder import TransformerDecoder
 from metaseq_ds.modules.cross_entropy import cross_entropy
 
 
@@ -18,9 +19,14 @@ class CrossEntropyCriterionConfig(MetaseqDataclass):
 @register_criterion("cross_entropy", dataclass=CrossEntropyCriterionConfig)
 class CrossEntropyCriterion(BaseCriterion):
     def forward(self, model, sample, reduce: bool = True):
-        logits = model(**sample["net_input"])[0]  # (B, T, V)
-        token_losses = self.token_losses(logits, sample["target"])
-        loss = token_losses.sum() if reduce else token_losses
+        if reduce and self._loss_in_model(model):
+            # The model's own loss: the output projection fused with the loss, no (B, T, V) logits.
+            loss, extra = model(**sample["net_input"], target=sample["target"])
+            token_losses = extra["token_losses"]
+        else:
+            logits = model(**sample["net_input"])[0]  # (B, T, V)
+            token_losses = self.token_losses(logits, sample["target"])
+            loss = token_losses.sum() if reduce else token_losses
         sample_size = self.sample_size(sample)
         logging_output = {
             # Summed in fp64: an fp32 sum of thousands of token losses is off by ~1e-6 relative,
@@ -37,6 +43,17 @@ class CrossEntropyCriterion(BaseCriterion):
         # The softmax is taken in fp32 (bf16/fp16 over a 50k vocabulary loses too much precision),
         # block by block; the logits are overwritten by their gradient (see modules/cross_entropy.py).
         return cross_entropy(logits.view(-1, logits.size(-1)), target.view(-1), ignore_index=self.padding_idx)
+
+    def _loss_in_model(self, model) -> bool:
+        """Whether `model` (or the engine's module) is a decoder whose output layer is ours and
+        this criterion's loss is `token_losses`' own: then the decoder computes it from its
+        features (`TransformerDecoder.output_loss`)."""
+        from metaseq_ds.models.transformer_decoder import TransformerDecoder
+
+        decoder = getattr(getattr(model, "module", model), "decoder", None)
+        return (isinstance(decoder, TransformerDecoder)
+                and type(decoder).output_layer is TransformerDecoder.output_layer
+                and type(self).token_losses is CrossEntropyCriterion.token_losses)
 
     @staticmethod
     def reduce_metrics(logging_outputs) -> None:

@@ -14,7 +14,10 @@ partitioned over the D = ranks / T data-parallel ranks. Bytes per rank:
   ZeRO-1 on;
 - activations of one micro-batch: an estimate after Korthikanti et al. (2022), s*b*h*(10 + 24/T)
   bytes a layer at 2 bytes an element, without the s^2 attention term (SDPA's fused kernels keep
-  none), or one layer's input a layer with --checkpoint-activations; plus the logits (s*b*V/T).
+  none), or one layer's input a layer with --checkpoint-activations; plus the loss: the logits
+  (s*b*V/T) where they are made (a tensor-parallel vocabulary; ZeRO-3 streaming a tied embedding
+  over several data-parallel ranks), else what the fused projection and loss hold (one chunk of
+  fp32 logits, the features' gradient and the projection's weight gradient, made in the forward).
 
 DeepSpeed's own `estimate_zero3_model_states_mem_needs` is printed beside the ZeRO-3 figure (it
 assumes fp16 mixed precision: 18 bytes a parameter plus its largest layer in fp32).
@@ -77,20 +80,33 @@ def plan_memory(cfg, world_size: int) -> MemoryPlan:
         "weights": share * element / (dp if stage == 3 else 1),
         "gradients": share * element / (dp if stage >= 2 else 1),
         "optimizer": share * (8 + master) / (dp if stage >= 1 else 1),
-        "activations": _activation_bytes(cfg, tp, element, len(model.decoder.layers), model.decoder.output_projection.weight.shape[0]),
+        "activations": _activation_bytes(cfg, tp, element, len(model.decoder.layers))
+                       + _loss_bytes(cfg, model.decoder, tp, element, streamed_tie=stage == 3 and dp > 1),
     }
     precision = "bf16" if cfg.common.bf16 else "fp16" if cfg.common.fp16 else "fp32"
     return MemoryPlan(world_size, tp, stage, precision, whole, share, largest, per_rank)
 
 
-def _activation_bytes(cfg, tp: int, element: int, layers: int, vocab: int) -> float:
+def _activation_bytes(cfg, tp: int, element: int, layers: int) -> float:
     s, b, h = cfg.task.tokens_per_sample, cfg.dataset.batch_size, cfg.model.decoder_embed_dim
     per_layer = s * b * h * (10 + 24 / tp) * element / 2
     if cfg.distributed_training.checkpoint_activations:
         kept = layers * s * b * h * element + per_layer  # each layer's input, and one layer recomputed
     else:
         kept = layers * per_layer
-    return kept + s * b * vocab / tp * element
+    return kept
+
+
+def _loss_bytes(cfg, decoder, tp: int, element: int, streamed_tie: bool) -> float:
+    """The output projection and loss: see the module's docstring (`TransformerDecoder.output_loss`)."""
+    from metaseq_ds.modules.cross_entropy import CHUNK_ELEMENTS
+
+    vocab, width = decoder.output_projection.weight.shape
+    tokens = cfg.task.tokens_per_sample * cfg.dataset.batch_size
+    tied = decoder.output_projection.weight is decoder.embed_tokens.weight
+    if tp > 1 or (tied and streamed_tie):
+        return tokens * vocab / tp * element
+    return (min(CHUNK_ELEMENTS, tokens * vocab) * 4 + tokens * width * element + vocab * width * element)
 
 
 def deepspeed_zero3_estimate(plan: MemoryPlan) -> float:

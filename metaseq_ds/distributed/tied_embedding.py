@@ -53,9 +53,14 @@ MIN_SLICE_ELEMENTS = 2**20
 
 
 def stream_tied_embedding(engine) -> Optional["StreamedTiedEmbedding"]:
-    """Stream W and defer its gradient for `engine`'s model when it trains under ZeRO-3 with its
-    token embedding tied to its output projection; None otherwise (nothing changed)."""
+    """Stream W and defer its gradient for `engine`'s model when it trains under ZeRO-3 on
+    several data-parallel ranks with its token embedding tied to its output projection; None
+    otherwise (nothing changed)."""
     if engine.zero_optimization_stage() != 3:
+        return None
+    if dist_utils.get_data_parallel_world_size() == 1:
+        # One data-parallel rank holds W whole: nothing to gather or reduce, and the streamed
+        # gradient would only serialise the step (and keep the logits' gradient whole).
         return None
     decoder = getattr(engine.module, "decoder", None)
     embedding = getattr(decoder, "embed_tokens", None)

@@ -24,6 +24,7 @@ from metaseq_ds.incremental_decoding_utils import reserved_positions, with_incre
 from metaseq_ds.models.base import BaseDecoder
 from metaseq_ds.modules import Dropout, LearnedPositionalEmbedding, Linear, SinusoidalPositionalEmbedding
 from metaseq_ds.modules.activations import ACTIVATIONS
+from metaseq_ds.modules.cross_entropy import VocabularyProjection, cross_entropy
 from metaseq_ds.modules.kv_cache import CacheWrite, KVCache, StaticKVCache
 
 
@@ -160,7 +161,7 @@ class TransformerDecoder(BaseDecoder):
         has_final_norm = cfg.decoder_normalize_before and not cfg.no_decoder_final_norm
         self.final_layer_norm = nn.LayerNorm(d) if has_final_norm else None
         self.project_out = Linear(d, input_dim, bias=False) if input_dim != d else None
-        self.output_projection = Linear(input_dim, len(dictionary), bias=False)
+        self.output_projection = VocabularyProjection(input_dim, len(dictionary))
         if cfg.share_decoder_input_output_embed:
             self.output_projection.weight = self.embed_tokens.weight
 
@@ -195,13 +196,20 @@ class TransformerDecoder(BaseDecoder):
         prev_output_tokens: torch.Tensor,
         incremental_state: Optional[Dict[str, Any]] = None,
         features_only: bool = False,
+        target: Optional[torch.Tensor] = None,
         **unused,
     ) -> Tuple[torch.Tensor, Dict[str, Any]]:
         """(B, T) tokens -> ((B, T, V) logits, or (B, T, C) features if `features_only`; side outputs).
 
+        With (B, T) `target`: (the summed cross entropy over the non-pad targets, fp32; side
+        outputs with "token_losses", the (B * T,) losses, detached), the logits never made whole
+        where the projection can (see `output_loss`).
         `unused` takes the other entries of a batch's `net_input` (such as `src_lengths`).
         """
         features, extra = self.extract_features(prev_output_tokens, incremental_state=incremental_state)
+        if target is not None:
+            loss, extra["token_losses"] = self.output_loss(features, target)
+            return loss, extra
         return (features if features_only else self.output_layer(features)), extra
 
     def extract_features(
@@ -293,6 +301,20 @@ class TransformerDecoder(BaseDecoder):
     def output_layer(self, features: torch.Tensor, **kwargs) -> torch.Tensor:
         """(B, T, C) -> (B, T, V) logits."""
         return self.output_projection(features)
+
+    def output_loss(self, features: torch.Tensor, target: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(B, T, C) features, (B, T) targets -> (summed loss over non-pad targets, fp32,
+        differentiable; (B * T,) per-token losses, detached).
+
+        Fused (`VocabularyProjection`: no (B, T, V) logits) unless the projection was swapped (a
+        tensor-parallel vocabulary shard) or its forward replaced (ZeRO-3 streaming a tied
+        embedding): those make the logits and take `cross_entropy` of them, as before."""
+        head = self.output_projection
+        if isinstance(head, VocabularyProjection) and "forward" not in vars(head):
+            return head(features, target=target, ignore_index=self.padding_idx)
+        logits = self.output_layer(features)
+        losses = cross_entropy(logits.view(-1, logits.size(-1)), target.reshape(-1), ignore_index=self.padding_idx)
+        return losses.sum(), losses.detach()
 
     def max_positions(self) -> int:
         return self.max_target_positions

@@ -92,6 +92,12 @@ def lay_out_for_decoding(model: nn.Module) -> None:
             weight.data = weight.data.t().contiguous().t()
 
 
+def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(N, in) @ weight.T for a (out, in) weight (or a transposed view), outside autograd: on
+    oneDNN where `uses_onednn` says so, else `torch.mm`."""
+    return _onednn_product(x, weight) if uses_onednn(x, weight) else torch.mm(x, weight.t())
+
+
 class Linear(nn.Linear):
     """`nn.Linear`, computed on oneDNN for fp32 CPU tensors of at least ONEDNN_MIN_ROWS rows or
     weights of at least ONEDNN_MIN_WEIGHT elements."""

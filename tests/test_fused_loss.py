@@ -1,0 +1,93 @@
+"""The output projection fused with the cross entropy (`modules.cross_entropy.linear_cross_entropy`,
+`VocabularyProjection`, used by the `cross_entropy` criterion through `TransformerDecoder.output_loss`):
+the losses and gradients of projecting then taking the cross entropy, without the (N, V) logits."""
+
+import pytest
+import torch
+
+from metaseq_ds.criterions import CrossEntropyCriterionConfig, build_criterion
+from metaseq_ds.modules import cross_entropy as cross_entropy_module
+from metaseq_ds.modules.cross_entropy import VocabularyProjection, cross_entropy, linear_cross_entropy
+from test_hf_parity import PAD, TinyTask
+from test_model import tiny_model, tokens
+
+
+class Task(TinyTask):
+    target_dictionary = TinyTask.dictionary
+
+
+def projected_then_cross_entropy(features, weight, target):
+    losses = cross_entropy(features @ weight.t(), target, ignore_index=PAD)
+    return losses.sum(), losses
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 3, 64])
+def test_linear_cross_entropy_equals_the_projection_then_cross_entropy(chunk_rows, monkeypatch):
+    V, C, N = 40, 8, 13
+    monkeypatch.setattr(cross_entropy_module, "CHUNK_ELEMENTS", chunk_rows * V)
+    generator = torch.Generator().manual_seed(0)
+    features, weight = torch.randn(N, C, generator=generator), torch.randn(V, C, generator=generator)
+    target = torch.randint(0, V, (N,), generator=generator)
+    target[[2, 7]] = PAD
+    sums, grads = [], []
+    for function in (linear_cross_entropy, projected_then_cross_entropy):
+        x, w = features.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss, losses = function(x, w, target) if function is projected_then_cross_entropy else function(x, w, target, PAD)
+        (loss * 0.37).backward()  # a scale, as the trainer applies
+        sums.append((loss, losses))
+        grads.append((x.grad, w.grad))
+    (loss, losses), (expected, expected_losses) = sums
+    assert not losses.requires_grad and losses[2] == losses[7] == 0
+    torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-6)  # a sum of 13 losses near 4
+    torch.testing.assert_close(losses, expected_losses.detach(), atol=1e-6, rtol=1e-6)
+    for mine, reference in zip(*grads):
+        torch.testing.assert_close(mine, reference, atol=1e-6, rtol=1e-6)
+
+
+def test_without_gradients_only_the_losses_are_made():
+    head = VocabularyProjection(8, 40)
+    features, target = torch.randn(5, 8), torch.randint(0, 40, (5,))
+    with torch.no_grad():
+        loss, losses = head(features, target=target, ignore_index=PAD)
+    reference = cross_entropy(head(features), target, ignore_index=PAD)
+    torch.testing.assert_close(losses, reference)
+    torch.testing.assert_close(loss, reference.sum())
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_criterion_gives_the_losses_and_gradients_of_the_logits_path_without_the_logits(tied, monkeypatch):
+    monkeypatch.setattr(cross_entropy_module, "CHUNK_ELEMENTS", 7 * len(TinyTask.dictionary))  # 7 rows a chunk
+    fused, reference = (tiny_model(share_decoder_input_output_embed=tied) for _ in range(2))
+    src = tokens(batch=3, length=10)
+    target = tokens(batch=3, length=10, seed=2)
+    target[2, 6:] = PAD
+    sample = {"net_input": {"src_tokens": src}, "target": target, "ntokens": int(target.ne(PAD).sum())}
+    criterion = build_criterion(CrossEntropyCriterionConfig(), Task())
+
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        loss, _, logging_output = criterion(fused, sample)
+    (loss * 0.37).backward()
+    # nothing the backward keeps is as large as the logits: (3 x 10) x vocabulary
+    assert max(saved) < target.numel() * len(TinyTask.dictionary)
+
+    logits = reference(src)[0]
+    expected_losses = cross_entropy(logits.view(-1, logits.size(-1)), target.view(-1), ignore_index=PAD)
+    (expected_losses.sum() * 0.37).backward()
+    torch.testing.assert_close(loss, expected_losses.sum(), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(logging_output["loss"], expected_losses.detach().double().sum(), atol=1e-6, rtol=1e-6)
+    for (name, mine), theirs in zip(fused.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(mine.grad, theirs.grad, atol=1e-6, rtol=1e-6, msg=name)
+
+
+def test_a_replaced_projection_forward_takes_the_logits_path():
+    """ZeRO-3 streaming a tied embedding replaces the projection's forward: the loss is then
+    taken from the logits that forward makes."""
+    model = tiny_model()
+    head = model.decoder.output_projection
+    calls = []
+    head.forward = lambda features: calls.append(features.shape) or torch.nn.functional.linear(features, head.weight)
+    src, target = tokens(batch=2, length=6), tokens(batch=2, length=6, seed=2)
+    loss, extra = model(src, target=target)
+    assert calls == [torch.Size([2, 6, 16])]
+    torch.testing.assert_close(loss, extra["token_losses"].sum())
