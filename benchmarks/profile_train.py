@@ -20,7 +20,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.train_worker import add_run_arguments, batches, hf_step_fn, our_step_fn, train_flags
+from benchmarks.train_worker import SIDES, add_run_arguments, batches, step_fn, train_flags
 
 # Kernel and op names by what they compute (cuBLAS/CUTLASS gemms, flash/memory-efficient
 # attention; on the CPU aten's product ops and oneDNN's linear).
@@ -85,7 +85,7 @@ def cpu_summary(prof, wall_seconds: float, steps: int, top: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--side", choices=["ours", "hf"], default="ours")
+    parser.add_argument("--side", choices=SIDES, default="ours")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--top", type=int, default=25)
@@ -101,7 +101,7 @@ def main() -> None:
     cfg = parse_train_config(train_flags(args))
     torch.manual_seed(cfg.common.seed)
     ds_config = build_deepspeed_config(cfg, args.world_size, fp16_supported=False)
-    step, engine = (our_step_fn if args.side == "ours" else hf_step_fn)(cfg, args, ds_config)
+    step, engine = step_fn(args.side, cfg, args, ds_config)
     cuda = engine.device.type == "cuda"
     data = batches(args, 1 + args.steps)
     step(next(data))  # warm-up (and compilation, with --compile-layers)
@@ -113,7 +113,7 @@ def main() -> None:
         wall = time.perf_counter() - start
     print(f"{args.side}, {args.dtype}, {engine.device.type}, ZeRO-{engine.zero_optimization_stage()}, "
           f"{args.batch} x {args.seq} tokens a step, d {args.dim}, {args.layers} layers"
-          f"{', layers compiled' if args.compile_layers else ''}")
+          f"{', layers compiled' if args.compile_layers or args.side == 'hf_compiled' else ''}")
     (gpu_summary if cuda else cpu_summary)(prof, wall, args.steps, args.top)
 
 

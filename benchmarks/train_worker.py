@@ -38,7 +38,8 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--adam-impl", default="auto",
                         help="metaseq_ds's --adam-impl (HF runs torch AdamW, as its users do)")
     parser.add_argument("--compile-layers", action="store_true",
-                        help="both sides: torch.compile each decoder layer (regional compilation; ours: mseq train's --compile-layers)")
+                        help="metaseq_ds: mseq train's --compile-layers (each decoder layer compiled; the HF "
+                             "side compiled alike is the side hf_compiled)")
 
 
 def run_flags(args) -> List[str]:
@@ -110,7 +111,7 @@ def our_step_fn(cfg, args, ds_config) -> Tuple[StepFn, object]:
     return step, trainer.engine
 
 
-def hf_step_fn(cfg, args, ds_config) -> Tuple[StepFn, object]:
+def hf_step_fn(cfg, args, ds_config, compiled: bool = False) -> Tuple[StepFn, object]:
     import deepspeed
     from transformers import OPTForCausalLM
 
@@ -118,7 +119,7 @@ def hf_step_fn(cfg, args, ds_config) -> Tuple[StepFn, object]:
 
     hf_config = to_hf_config(cfg.model, vocab_size=VOCAB)
     model = OPTForCausalLM._from_config(hf_config, attn_implementation="sdpa")
-    if args.compile_layers:
+    if compiled:
         compile_each(model.model.decoder.layers)
     opt = cfg.optimizer
     # torch's fused AdamW kernel: what Hugging Face's Trainer picks by default with torch >= 2.8.
@@ -134,6 +135,15 @@ def hf_step_fn(cfg, args, ds_config) -> Tuple[StepFn, object]:
         return loss.item()
 
     return step, engine
+
+
+SIDES = ("ours", "hf", "hf_compiled")
+
+
+def step_fn(side: str, cfg, args, ds_config) -> Tuple[StepFn, object]:
+    if side == "ours":
+        return our_step_fn(cfg, args, ds_config)
+    return hf_step_fn(cfg, args, ds_config, compiled=side == "hf_compiled")
 
 
 def compile_each(layers) -> None:
@@ -165,7 +175,7 @@ class Turns:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--side", choices=["ours", "hf"], required=True)
+    parser.add_argument("--side", choices=SIDES, required=True, help="hf_compiled: HF with each decoder layer compiled")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], required=True)
     parser.add_argument("--out", type=Path, required=True, help="folder for the turn files and rank<r>.json")
     parser.add_argument("--steps", type=int, default=10)
@@ -182,7 +192,7 @@ def main() -> None:
     cfg = parse_train_config(train_flags(args))
     torch.manual_seed(cfg.common.seed)
     ds_config = build_deepspeed_config(cfg, args.world_size, fp16_supported=False)
-    step, engine = (our_step_fn if args.side == "ours" else hf_step_fn)(cfg, args, ds_config)
+    step, engine = step_fn(args.side, cfg, args, ds_config)
     turns = Turns(args.out, args.side, rank)
     dist_utils.barrier()
     turns.announce("ready")
