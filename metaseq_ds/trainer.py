@@ -33,6 +33,7 @@ from metaseq_ds.errors import UsageError
 from metaseq_ds.host_memory import release_freed_heap
 from metaseq_ds.logging import metrics
 from metaseq_ds.logging.reduction import combine_over_ranks, reduce_and_log
+from metaseq_ds.models.transformer_decoder import note_left_padding
 from metaseq_ds.optim import build_optimizer
 from metaseq_ds.optim.lr_scheduler import build_lr_scheduler
 from metaseq_ds.optim.fp32_master_weights import share_fp32_master_weights
@@ -139,7 +140,7 @@ class Trainer:
         logging_outputs = []
         gnorm = None
         for index, (sample, size) in enumerate(zip(samples, sizes)):
-            sample = to_device(sample, self.engine.device)
+            sample = to_device(note_left_padding(sample, self.engine), self.engine.device)
             loss, returned_size, logging_output = self.task.train_step(sample, self.model, self.criterion, backward, self.num_updates)
             check_sample_size(self.criterion, size, returned_size)
             logging_outputs.append(logging_output)

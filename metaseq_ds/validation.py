@@ -17,6 +17,7 @@ import torch
 from metaseq_ds.device import module_device, to_device
 from metaseq_ds.logging import metrics
 from metaseq_ds.logging.reduction import combine_over_ranks, reduce_and_log
+from metaseq_ds.models.transformer_decoder import note_left_padding
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ def validate(
     for step, sample in enumerate(batches):
         if max_steps is not None and step >= max_steps:
             break
-        _, _, logging_output = task.valid_step(to_device(sample, device), model, criterion)
+        _, _, logging_output = task.valid_step(to_device(note_left_padding(sample, model), device), model, criterion)
         logging_outputs.append(logging_output)
     combined = combine_over_ranks(logging_outputs, criterion.logging_outputs_can_be_summed(), group, may_be_empty=True)
     if not any(combined):

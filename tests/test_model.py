@@ -305,3 +305,21 @@ def test_length_limits_are_errors():
         TransformerLanguageModel.build_model(tiny_cfg(max_target_positions=None), TinyTask())
     with pytest.raises(ValueError, match="17 tokens exceed max_target_positions 16"):
         tiny_model()(tokens(length=17))
+
+
+def test_the_noted_left_padding_chooses_the_mask_the_tokens_would():
+    """`note_left_padding` says on the CPU what the decoder would otherwise read from the device:
+    the same logits with the note as without, for left-padded, right-padded and plain rows."""
+    from metaseq_ds.models.transformer_decoder import note_left_padding
+
+    model = tiny_model().eval()
+    plain = tokens(batch=2, length=8)
+    right, left = plain.clone(), plain.clone()
+    right[1, 5:] = PAD
+    left[1, :3] = PAD
+    for batch, expected in ((plain, False), (right, False), (left, True)):
+        sample = note_left_padding({"net_input": {"src_tokens": batch}}, model)
+        assert sample["net_input"]["left_padded"] is expected
+        torch.testing.assert_close(model(**sample["net_input"])[0], model(batch)[0], atol=0, rtol=0)
+    other = {"net_input": {"src_tokens": plain}}
+    assert note_left_padding(other, torch.nn.Linear(2, 2)) is other  # not our decoder: left as it is

@@ -33,6 +33,25 @@ def embed_scale(cfg) -> float:
     return 1.0 if cfg.no_scale_embedding else math.sqrt(cfg.decoder_embed_dim)
 
 
+def has_left_padding(is_pad: torch.Tensor) -> bool:
+    """Whether a pad comes before a real token in some row of the (B, T) pad flags."""
+    return bool((is_pad[:, :-1] & ~is_pad[:, 1:]).any())
+
+
+def note_left_padding(sample: Dict[str, Any], model: nn.Module) -> Dict[str, Any]:
+    """`sample` with `net_input["left_padded"]` said from its tokens while they are still on the
+    CPU, where `model` (or a DeepSpeed engine's module) decodes with a `TransformerDecoder`:
+    its attention mask is then chosen without a read of the device, a host sync per forward on
+    a GPU. Any other model gets `sample` as it is (its forward may take no such argument)."""
+    decoder = getattr(getattr(model, "module", model), "decoder", None)
+    net_input = sample.get("net_input") if isinstance(sample, dict) else None
+    tokens = net_input.get("src_tokens") if isinstance(net_input, dict) else None
+    if not isinstance(decoder, TransformerDecoder) or tokens is None or tokens.device.type != "cpu":
+        return sample
+    left_padded = has_left_padding(tokens.eq(decoder.padding_idx))
+    return {**sample, "net_input": {**net_input, "left_padded": left_padded}}
+
+
 @with_incremental_state
 class SelfAttention(nn.Module):
     """Causal multi-head self-attention with separate q/k/v projections, and a KV cache."""
@@ -197,6 +216,7 @@ class TransformerDecoder(BaseDecoder):
         incremental_state: Optional[Dict[str, Any]] = None,
         features_only: bool = False,
         target: Optional[torch.Tensor] = None,
+        left_padded: Optional[bool] = None,
         **unused,
     ) -> Tuple[torch.Tensor, Dict[str, Any]]:
         """(B, T) tokens -> ((B, T, V) logits, or (B, T, C) features if `features_only`; side outputs).
@@ -204,9 +224,12 @@ class TransformerDecoder(BaseDecoder):
         With (B, T) `target`: (the summed cross entropy over the non-pad targets, fp32; side
         outputs with "token_losses", the (B * T,) losses, detached), the logits never made whole
         where the projection can (see `output_loss`).
+        `left_padded`: whether a pad comes before a real token in some row, known where the
+        batch was made (`note_left_padding`); None: `attention_mask` reads it from the tokens.
         `unused` takes the other entries of a batch's `net_input` (such as `src_lengths`).
         """
-        features, extra = self.extract_features(prev_output_tokens, incremental_state=incremental_state)
+        features, extra = self.extract_features(prev_output_tokens, incremental_state=incremental_state,
+                                                left_padded=left_padded)
         if target is not None:
             loss, extra["token_losses"] = self.output_loss(features, target)
             return loss, extra
@@ -215,7 +238,7 @@ class TransformerDecoder(BaseDecoder):
     def extract_features(
         self, prev_output_tokens: torch.Tensor, incremental_state: Optional[Dict[str, Any]] = None, *,
         kv_cache: Optional[StaticKVCache] = None, positions: Optional[torch.Tensor] = None,
-        slots: Optional[torch.Tensor] = None, **unused
+        slots: Optional[torch.Tensor] = None, left_padded: Optional[bool] = None, **unused
     ) -> Tuple[torch.Tensor, Dict[str, Any]]:
         """(B, S) tokens -> (B, T, C) features of the tokens not yet cached (T = S without a cache).
 
@@ -233,7 +256,7 @@ class TransformerDecoder(BaseDecoder):
         cached = self.cached_length(incremental_state)
         # Positions count the real tokens of the whole row, so they need all of it.
         embedded = self.embed(tokens[:, cached:], self.position_embeddings(tokens, start=cached))
-        features = self._layers(embedded, self.attention_mask(tokens, cached), incremental_state,
+        features = self._layers(embedded, self.attention_mask(tokens, cached, left_padded), incremental_state,
                                 [None] * len(self.layers))
         if incremental_state is not None:
             self.set_incremental_state(incremental_state, "cached_length", {"length": tokens.size(1)})
@@ -275,7 +298,8 @@ class TransformerDecoder(BaseDecoder):
         saved = self.get_incremental_state(incremental_state, "cached_length")
         return 0 if saved is None else saved["length"]
 
-    def attention_mask(self, tokens: torch.Tensor, cached: int = 0) -> Optional[torch.Tensor]:
+    def attention_mask(self, tokens: torch.Tensor, cached: int = 0,
+                       left_padded: Optional[bool] = None) -> Optional[torch.Tensor]:
         """None when the causal mask suffices, else (B, 1, T, S) with True = may attend, for the
         T = S - `cached` new queries over all S keys.
 
@@ -283,13 +307,14 @@ class TransformerDecoder(BaseDecoder):
         with pads only at the end of rows, as in training batches, no real token can see one.
         Keeping those batches on SDPA's causal path also keeps them on the same kernel as
         unpadded ones, so the loss does not depend on which batch happened to be padded.
-        NOTE: `.any()` waits for the device, as metaseq's padding check did.
+        `left_padded` None: read from the tokens, which waits for the device (as metaseq's
+        padding check did); the trainer and validation say it (`note_left_padding`).
         """
         is_pad = tokens.eq(self.padding_idx)
         S = tokens.size(1)
         T = S - cached
         several_after_cache = cached > 0 and T > 1
-        if not several_after_cache and not (is_pad[:, :-1] & ~is_pad[:, 1:]).any():
+        if not several_after_cache and not (has_left_padding(is_pad) if left_padded is None else left_padded):
             return None
         # Query i is token cached + i: it sees keys 0 .. cached + i.
         causal = torch.ones(T, S, dtype=torch.bool, device=tokens.device).tril(diagonal=cached)  # (T, S)
