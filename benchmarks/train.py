@@ -17,7 +17,8 @@ Per (ranks, dtype): median seconds per step over `--steps` steps after `--warmup
 `--hf-compiled`, HF also with its decoder layers compiled, and the ratio against the faster
 HF side). Then, for
 the ZeRO-3 runs, the model-state bytes a rank holds against the exact count and DeepSpeed's
-estimator. Targets (issue 6): ratio >= 1.2 everywhere; MFU >= 50% for bf16 in one process;
+estimator. Targets: ratio >= 1.2 everywhere; MFU for bf16 in one process >= 50% on the CPU (issue 6),
+>= 55% on a GPU (issue 34);
 model states within 10% of theory.
 """
 
@@ -130,7 +131,8 @@ def print_throughput(rows, peaks, args) -> List[str]:
             print(f"{ranks:>5} {dtype:>5} {NAMES[side]:>11} {seconds:>7.2f} {speed[side]:>9.0f} {gib(rss):>17} "
                   f"{mfu:>6.1%} {ratio:>7}")
             if side == "ours" and ranks == 1 and dtype == "bf16":
-                mfu_verdicts.append(f"MFU bf16 1 process {mfu:.1%} ({'meets' if mfu >= 0.5 else 'misses'} 50%)")
+                target = 0.55 if peaks["device"] == "cuda" else 0.5
+                mfu_verdicts.append(f"MFU bf16 1 process {mfu:.1%} ({'meets' if mfu >= target else 'misses'} {target:.0%})")
         # Against the faster Hugging Face side (eager, or compiled with --hf-compiled).
         ratio = speed["ours"] / max(speed[side] for side in speed if side != "ours")
         verdicts.append(f"{ranks}x{dtype} {ratio:.2f}x ({'meets' if ratio >= 1.2 else 'misses'} 1.2x)")
@@ -193,6 +195,7 @@ def main() -> None:
     after = peak.measure(seconds=1.0, device=device)
     # A peak measured while the machine was busy would flatter the MFU: keep the better one.
     peaks = {key: max(before[key], after[key]) for key in ("peak_fp32", "peak_bf16")}
+    peaks["device"] = device
     where = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {os.cpu_count()} cores"
     print(f"{where}; model: width {args.dim}, {args.layers} layers, {args.heads} heads, FFN {args.ffn}, vocab {VOCAB}, "
           f"seq {args.seq}, micro-batch {args.batch}/rank{', metaseq_ds layers compiled' if args.compile_layers else ''}; "

@@ -6,8 +6,9 @@ DeepSpeed 0.19's ZeRO-1/2/3 steps first take the gradient norm of every gradient
 after copying it to fp64 (`g.to(get_norm_dtype())`): a transient twice the largest fp32
 partition, four times a bf16 one (206 MB for the tied embedding's partition of a 707M model at
 TP=2 x DP=2, the ZeRO-3 step's peak; 412 MB at TP=2 on one data-parallel rank). The norm is
-now taken over pieces of at most `NORM_CHUNK_ELEMENTS` (8 MB in fp64), each still summed in
-fp64; their squares add up to the same norm.
+now taken over pieces of at most `NORM_CHUNK_ELEMENTS` (8 MB in fp64; `GPU_NORM_CHUNK_ELEMENTS`,
+128 MB, on a GPU, where each piece costs kernel launches: 1.3B parameters in 1,250 pieces would
+be ~3,800 launches a step), each still summed in fp64; their squares add up to the same norm.
 
 Then ZeRO-3, sub-group by sub-group, concatenates the sub-group's gradient partitions, which
 already lie one after another in its flat gradient buffer, into a new tensor for the
@@ -21,17 +22,23 @@ a bucket full only when the next gradient would not fit, so a gradient larger th
 next module's backward. A full bucket is now reduced at once.
 """
 
+from typing import Optional
+
 NORM_CHUNK_ELEMENTS = 2**20
+GPU_NORM_CHUNK_ELEMENTS = 2**24
 
 
-def lean_zero_step(engine, norm_chunk_elements: int = NORM_CHUNK_ELEMENTS) -> bool:
+def lean_zero_step(engine, norm_chunk_elements: Optional[int] = None) -> bool:
     """These changes where they apply: ZeRO-1/2/3 without optimizer offload (whose step reads
-    offloaded gradients another way); whether anything was changed."""
+    offloaded gradients another way); whether anything was changed. `norm_chunk_elements`:
+    by default by the engine's device (see above)."""
     stage = engine.zero_optimization_stage()
     if stage == 0 or engine.zero_cpu_offload():
         return False
     from metaseq_ds.private_apis import deepspeed_optimizers as zero
 
+    if norm_chunk_elements is None:
+        norm_chunk_elements = NORM_CHUNK_ELEMENTS if engine.device.type == "cpu" else GPU_NORM_CHUNK_ELEMENTS
     zero.zero_gradient_norms_in_pieces(engine.optimizer, norm_chunk_elements)
     if stage == 3:
         zero.zero3_step_on_the_gradient_buffer(engine.optimizer)
