@@ -7,7 +7,7 @@ from metaseq_ds.criterions.base_criterion import BaseCriterion
 from metaseq_ds.criterions.registry import register_criterion
 from metaseq_ds.dataclass import MetaseqDataclass
 from metaseq_ds.logging import metrics
-from metaseq_ds.models.transformer_decoder import TransformerDecoder
+from metaseq_ds.models.transformer_decoder import TransformerDecoder, decoder_of
 from metaseq_ds.modules.cross_entropy import cross_entropy
 
 
@@ -48,10 +48,8 @@ class CrossEntropyCriterion(BaseCriterion):
         """Whether `model` (or the engine's module) is a decoder whose output layer is ours and
         this criterion's loss is `token_losses`' own: then the decoder computes it from its
         features (`TransformerDecoder.output_loss`)."""
-        from metaseq_ds.models.transformer_decoder import TransformerDecoder
-
-        decoder = getattr(getattr(model, "module", model), "decoder", None)
-        return (isinstance(decoder, TransformerDecoder)
+        decoder = decoder_of(model)
+        return (decoder is not None
                 and type(decoder).output_layer is TransformerDecoder.output_layer
                 and type(self).token_losses is CrossEntropyCriterion.token_losses)
 

@@ -38,15 +38,22 @@ def has_left_padding(is_pad: torch.Tensor) -> bool:
     return bool((is_pad[:, :-1] & ~is_pad[:, 1:]).any())
 
 
+def decoder_of(model: nn.Module) -> Optional["TransformerDecoder"]:
+    """The `TransformerDecoder` that `model` (or a DeepSpeed engine's module) decodes with, or
+    None for any other model."""
+    decoder = getattr(getattr(model, "module", model), "decoder", None)
+    return decoder if isinstance(decoder, TransformerDecoder) else None
+
+
 def note_left_padding(sample: Dict[str, Any], model: nn.Module) -> Dict[str, Any]:
     """`sample` with `net_input["left_padded"]` said from its tokens while they are still on the
     CPU, where `model` (or a DeepSpeed engine's module) decodes with a `TransformerDecoder`:
     its attention mask is then chosen without a read of the device, a host sync per forward on
     a GPU. Any other model gets `sample` as it is (its forward may take no such argument)."""
-    decoder = getattr(getattr(model, "module", model), "decoder", None)
+    decoder = decoder_of(model)
     net_input = sample.get("net_input") if isinstance(sample, dict) else None
     tokens = net_input.get("src_tokens") if isinstance(net_input, dict) else None
-    if not isinstance(decoder, TransformerDecoder) or tokens is None or tokens.device.type != "cpu":
+    if decoder is None or tokens is None or tokens.device.type != "cpu":
         return sample
     left_padded = has_left_padding(tokens.eq(decoder.padding_idx))
     return {**sample, "net_input": {**net_input, "left_padded": left_padded}}
