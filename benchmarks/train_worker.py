@@ -106,7 +106,7 @@ def our_step_fn(cfg, args, ds_config) -> Tuple[StepFn, object]:
             "ntokens": tokens[:, 1:].numel(),
             "nsentences": tokens.size(0),
         }
-        return trainer.train_step([sample])["loss"] * math.log(2)  # bits -> nats, as HF reports
+        return float(trainer.train_step([sample])["loss"]) * math.log(2)  # bits -> nats, as HF reports
 
     return step, trainer.engine
 

@@ -17,7 +17,6 @@ see the same batch.
 """
 
 import logging
-import math
 import random
 from typing import Any, Dict, List, Optional
 
@@ -128,7 +127,9 @@ class Trainer:
         metrics (`task.reduce_metrics` on the update's logging outputs, combined over the
         data-parallel ranks), ups, lr, num_updates, gnorm, clip and train_wall.
         Returns the values the criterion logged for this update, with what the divergence
-        check reads: the global sample_size and ntokens, gnorm, and whether the step applied."""
+        check reads: the global sample_size and ntokens, gnorm, and whether the step applied.
+        Nothing is read from the device (a host sync per update on a GPU): values may be 0-dim
+        device tensors, for `logging.reduction.read_values` to read with other updates'."""
         self._seed_for_update()
         metrics.log_start_time("train_wall", priority=800)  # unrounded: our updates can take under a second
         sizes = [self.criterion.sample_size(sample) for sample in samples]
@@ -151,27 +152,31 @@ class Trainer:
         self.num_updates += 1
         lr = self.lr_scheduler.step_update(self.num_updates)
         logging_outputs = combine_over_ranks(logging_outputs, self.criterion.logging_outputs_can_be_summed(),
-                                             group=self.data_parallel_group)
+                                             group=self.data_parallel_group, read=False)
         gnorm = self._engine_grad_norm() if gnorm is None else gnorm
-        self._log_update_stats(lr, gnorm)
-        values = reduce_and_log(self.task, self.criterion, logging_outputs)
+        step_applied = self.engine.was_step_applied()
+        self._log_update_stats(lr, gnorm, step_applied)
+        values = reduce_and_log(self.task, self.criterion, logging_outputs, read=False)
         metrics.log_stop_time("train_wall")
         for window_only in ("wps", "wpb", "bsz"):  # the log line's: one update's speed is no speed
             values.pop(window_only, None)
         # False when DeepSpeed's overflow check (fp16 loss scaling, bf16) skipped the step.
         return {**values, "sample_size": global_size, "ntokens": global_tokens, "gnorm": gnorm,
-                "step_applied": self.engine.was_step_applied()}
+                "step_applied": step_applied}
 
-    def _log_update_stats(self, lr: float, gnorm: float) -> None:
-        """The optimizer's side of metaseq's train_inner line (keys, priorities and rounding as metaseq)."""
+    def _log_update_stats(self, lr: float, gnorm, step_applied: bool) -> None:
+        """The optimizer's side of metaseq's train_inner line (keys, priorities and rounding as metaseq).
+        `gnorm` may be a device tensor: the meters keep it there until the log line reads them."""
         metrics.log_speed("ups", 1.0, priority=100, round=2)
         metrics.log_scalar("num_updates", self.num_updates, weight=0, priority=200)
         metrics.log_scalar("lr", lr, weight=0, priority=300)
-        if math.isfinite(gnorm):
+        # A skipped step's norm (an overflow, inf) would spoil the window's average. An applied
+        # step's non-finite norm stops the run before its line is logged (`divergence`).
+        if step_applied:
             metrics.log_scalar("gnorm", gnorm, priority=400)  # unrounded, as the loss: runs are compared by it
             clip_norm = self.cfg.optimization.clip_norm
             if clip_norm > 0:  # the share of updates clipped, in percent
-                metrics.log_scalar("clip", 100.0 if gnorm > clip_norm else 0.0, priority=500, round=1)
+                metrics.log_scalar("clip", (gnorm > clip_norm) * 100.0, priority=500, round=1)
 
     @property
     def _plain_optimizer(self) -> bool:
@@ -181,8 +186,9 @@ class Trainer:
     def _sum_over_replicas(self, values: List[float]) -> List[float]:
         return dist_utils.all_reduce_sum(values, group=self.data_parallel_group)
 
-    def _local_grad_norm(self) -> float:
-        """Pre-clipping norm of the full gradient (ZeRO-0: every rank holds all of it, averaged).
+    def _local_grad_norm(self) -> torch.Tensor:
+        """Pre-clipping norm of the full gradient (ZeRO-0: every rank holds all of it, averaged),
+        a 0-dim float64 tensor on the device, unread.
 
         A tensor-parallel shard's squares are summed over its group; replicated parameters count once.
         """
@@ -190,19 +196,17 @@ class Trainer:
         for p in self.engine.module.parameters():
             if p.grad is not None:
                 grads[getattr(p, "tensor_model_parallel", False)].append(p.grad.detach())
-        # One read of the device for both sums.
-        sharded, replicated = torch.stack([_squared_norm(grads[True], self.engine.device),
-                                           _squared_norm(grads[False], self.engine.device)]).tolist()
+        device = self.engine.device
+        sharded = _squared_norm(grads[True], device).double()
         tp_group = dist_utils.get_tensor_model_parallel_group()
         if tp_group is not None:
-            (sharded,) = dist_utils.all_reduce_sum([sharded], group=tp_group)
-        return math.sqrt(sharded + replicated)
+            torch.distributed.all_reduce(sharded, group=tp_group)
+        return (sharded + _squared_norm(grads[False], device).double()).sqrt()
 
-    def _engine_grad_norm(self) -> float:
+    def _engine_grad_norm(self):
+        """DeepSpeed's norm of the update's gradient: a number, or a tensor left unread."""
         norm = self.engine.get_global_grad_norm()
-        if norm is None:
-            return 0.0
-        return float(norm.item() if torch.is_tensor(norm) else norm)
+        return 0.0 if norm is None else norm
 
     def validate(self, batches, max_steps=None) -> Dict[str, float]:
         """`validation.validate` on the engine, combined over the data-parallel ranks."""

@@ -52,7 +52,7 @@ def losses(stage: int, compiled: bool):
         tokens = torch.randint(4, VOCAB, (2, 17), generator=torch.Generator().manual_seed(step))
         sample = {"net_input": {"src_tokens": tokens[:, :-1].contiguous()}, "target": tokens[:, 1:].contiguous(),
                   "ntokens": 32, "nsentences": 2}
-        out.append(trainer.train_step([sample])["loss"])
+        out.append(float(trainer.train_step([sample])["loss"]))
     return out
 
 

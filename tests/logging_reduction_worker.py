@@ -7,7 +7,7 @@ import json
 import torch
 
 from metaseq_ds.distributed import utils as dist_utils
-from metaseq_ds.logging.reduction import combine_over_ranks
+from metaseq_ds.logging.reduction import combine_over_ranks, read_values
 
 dist_utils.init_distributed()
 rank = dist_utils.get_global_rank()
@@ -16,6 +16,7 @@ outputs = [{"loss": torch.tensor(1.5 + rank + step, dtype=torch.float64), "ntoke
             "scale": 0.25, "sentence_nll": torch.tensor([rank + step, 10.0 * rank])} for step in range(2)]
 numbers = [{key: value for key, value in output.items() if key != "sentence_nll"} for output in outputs]
 summed = combine_over_ranks(numbers, summable=True)
+unread = combine_over_ranks(numbers, summable=True, read=False)[0]
 gathered = combine_over_ranks(outputs, summable=False)
 only_rank_0 = combine_over_ranks(numbers[:1] if rank == 0 else [], summable=True, may_be_empty=True)
 if rank == 0:
@@ -24,4 +25,6 @@ if rank == 0:
         "types": {key: type(value).__name__ for key, value in summed[0].items()},
         "gathered": [{k: (v.tolist() if torch.is_tensor(v) else v) for k, v in o.items()} for o in gathered],
         "only_rank_0": only_rank_0,
+        "unread_types": {key: type(value).__name__ for key, value in unread.items()},
+        "unread": read_values([unread]),
     }), flush=True)

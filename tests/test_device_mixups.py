@@ -96,3 +96,26 @@ def test_decoding_runs_on_the_models_device(corpus, tmp_path, on_meta):
     with MetaDeviceCheck():
         hypos = generator.generate([model], [[5, 6, 7], [8, 9]])
     assert [len(h[0]["tokens"]) for h in hypos] == [4, 4]
+
+
+def test_training_reads_the_device_once_per_log_line(corpus, tmp_path, monkeypatch):
+    """Each update's loss and gradient norm stay on the device (a read is a host sync on a GPU)
+    until the log line, which reads the updates since the last one together."""
+    from typer.testing import CliRunner
+
+    from metaseq_ds.cli.main import app
+    from metaseq_ds.logging import reduction
+
+    reads = []
+    read_values = reduction.read_values
+
+    def counted(stats):
+        reads.append([(values["loss"], values["gnorm"]) for values in stats])
+        return read_values(stats)
+
+    monkeypatch.setattr(reduction, "read_values", counted)
+    result = CliRunner().invoke(app, ["train", str(corpus), *FLAGS, "--log-interval", "3", "--max-update", "6", "--no-save",
+                                      "--disable-validation", "--save-dir", str(tmp_path / "ckpt")])
+    assert result.exit_code == 0, result.output
+    assert [len(updates) for updates in reads if updates] == [3, 3]  # at updates 3 and 6
+    assert all(torch.is_tensor(loss) and torch.is_tensor(gnorm) for updates in reads for loss, gnorm in updates)

@@ -11,7 +11,7 @@ from launch import run_worker
 from metaseq_ds.criterions import CrossEntropyCriterion
 from metaseq_ds.errors import UsageError
 from metaseq_ds.logging import metrics
-from metaseq_ds.logging.reduction import combine_over_ranks, reduce_and_log
+from metaseq_ds.logging.reduction import combine_over_ranks, read_values, reduce_and_log
 from metaseq_ds.tasks import BaseTask
 
 
@@ -31,6 +31,9 @@ def test_two_ranks_sum_key_by_key_or_gather_every_output():
     assert [o["loss"] for o in report["gathered"]] == [1.5, 2.5, 2.5, 3.5]  # rank order, tensors as numbers
     assert [o["sentence_nll"] for o in report["gathered"]] == [[0.0, 0.0], [1.0, 0.0], [1.0, 10.0], [2.0, 10.0]]
     assert report["only_rank_0"] == [{"loss": 1.5, "nsentences": 2, "ntokens": 10, "scale": 0.25}]
+    # unread (a training update's): the tensors' sum left on the device, the host numbers exact
+    assert report["unread_types"] == {"loss": "Tensor", "nsentences": "int", "ntokens": "int", "scale": "float"}
+    assert report["unread"] == report["summed"]
 
 
 def test_alone_the_sums_are_this_ranks_and_a_key_that_cannot_be_summed_is_named():
@@ -39,6 +42,18 @@ def test_alone_the_sums_are_this_ranks_and_a_key_that_cannot_be_summed_is_named(
     assert combine_over_ranks(outputs, summable=False) == [{"loss": 2.0, "ntokens": 3}, {"loss": 4.0, "ntokens": 5}]
     with pytest.raises(UsageError, match="logging output 'ids' is a list; .* logging_outputs_can_be_summed"):
         combine_over_ranks([{"ids": [1, 2]}], summable=True)
+
+
+def test_unread_sums_stay_tensors_until_one_read_of_them_all():
+    outputs = [{"loss": torch.tensor(2.0), "ntokens": 3, "extra": 0.5}, {"loss": torch.tensor(4.0), "ntokens": 5, "extra": 1}]
+    (unread,) = combine_over_ranks(outputs, summable=True, read=False)
+    assert torch.is_tensor(unread["loss"]) and unread["ntokens"] == 8 and unread["extra"] == 1.5
+    updates = [unread, {"loss": torch.tensor(1.0), "gnorm": torch.tensor(0.5), "step_applied": True}]
+    with torch.profiler.profile() as profile:
+        read = read_values(updates)
+    assert read == [{"loss": 6.0, "ntokens": 8, "extra": 1.5}, {"loss": 1.0, "gnorm": 0.5, "step_applied": True}]
+    assert [event.name for event in profile.events()].count("aten::_local_scalar_dense") == 0  # one tolist
+    assert torch.is_tensor(updates[0]["loss"])  # the input is left as it was
 
 
 def test_the_criterions_metrics_reach_every_open_aggregator_and_come_back():

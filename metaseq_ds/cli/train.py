@@ -128,22 +128,36 @@ def train_loop(cfg, task, trainer, epoch_itr, checkpoints, sink):
     The log lines are metaseq's, from its `metrics` aggregators: each update runs inside
     "train_inner" (a line every --log-interval updates, then reset) and "train" (a line at the
     end of each epoch's training, keys prefixed "train_"), so each shows exactly what the task,
-    criterion and trainer logged."""
+    criterion and trainer logged.
+
+    The device is read once per log line, not once per update (a host sync that idles a GPU):
+    the updates since the last read are read together and checked for divergence then, and
+    before anything is validated or saved, so a diverged update is never logged or saved."""
     from metaseq_ds.distributed import utils as dist_utils
     from metaseq_ds.divergence import check_update
     from metaseq_ds.logging import metrics
+    from metaseq_ds.logging.reduction import read_values
 
     opt, ds_cfg, ckpt = cfg.optimization, cfg.dataset, cfg.checkpoint
     start_wall = time.perf_counter()
     last_valid = None
     unlogged_updates = 0
+    unread = []  # (update number, `Trainer.train_step`'s stats) since the last read
 
     def finished() -> bool:
         return bool(opt.max_update and trainer.num_updates >= opt.max_update) or 0 <= trainer.get_lr() < opt.stop_min_lr
 
+    def read_updates() -> None:
+        """Read the unread updates in one transfer; `TrainingDiverged` names the first that diverged."""
+        for (update, _), stats in zip(unread, read_values([stats for _, stats in unread])):
+            check_update(stats, update, cfg, checkpoints.saved_update)
+        unread.clear()
+
     def log_line(tag: str, aggregator: str, prefix: str = "", **first) -> None:
+        read_updates()
         values = {**metrics.get_smoothed_values(aggregator), "wall": time.perf_counter() - start_wall}
         sink.log(tag, {**first, **{prefix + key: value for key, value in values.items()}}, trainer.num_updates)
+        sink.advance(trainer.num_updates, {key: value for key, value in values.items() if key in BAR_KEYS})
         metrics.reset_meters(aggregator)
 
     while not finished():
@@ -155,19 +169,19 @@ def train_loop(cfg, task, trainer, epoch_itr, checkpoints, sink):
         with metrics.aggregate("train"):
             for samples in _groups(itr, opt.update_freq):
                 with metrics.aggregate("train_inner"):
-                    stats = trainer.train_step(samples)
-                # A NaN/inf update stops here: nothing after it is logged or saved (TrainingDiverged).
-                check_update(stats, trainer.num_updates, cfg, checkpoints.saved_update)
+                    unread.append((trainer.num_updates + 1, trainer.train_step(samples)))
                 unlogged_updates += 1
                 n = trainer.num_updates
-                sink.advance(n, {key: value for key, value in stats.items() if key not in UPDATE_FACTS})
+                sink.advance(n)
                 if n % cfg.common.log_interval == 0:
                     log_line("train_inner", "train_inner", epoch=epoch_itr.epoch, update=n)
                     unlogged_updates = 0
                 stop = finished()
                 if ds_cfg.validate_interval_updates and n % ds_cfg.validate_interval_updates == 0 and not stop:
+                    read_updates()
                     last_valid = _validate(cfg, task, trainer, epoch_itr.epoch, sink)
                 if ckpt.save_interval_updates and n % ckpt.save_interval_updates == 0 and not stop:
+                    read_updates()
                     checkpoints.save(trainer, epoch_itr)
                 if stop:
                     break
@@ -190,8 +204,8 @@ def train_loop(cfg, task, trainer, epoch_itr, checkpoints, sink):
     return last_valid
 
 
-# What `Trainer.train_step` returns besides the values the criterion logged (the divergence check's).
-UPDATE_FACTS = ("sample_size", "ntokens", "gnorm", "step_applied")
+# What the progress bar shows of each log line.
+BAR_KEYS = ("loss", "ppl", "gnorm")
 
 
 def _groups(itr, size):

@@ -7,7 +7,7 @@ plain Python numbers, since the JSON log and TensorBoard need numbers.
 import bisect
 import time
 from collections import OrderedDict
-from typing import Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
@@ -214,6 +214,15 @@ class MetersDict(OrderedDict):
         if isinstance(meter, DerivedMeter):
             return to_number(meter.fn(self))
         return meter.smoothed_value
+
+    def unread_values(self) -> Dict[str, Any]:
+        """The values `get_smoothed_values` would give, unrounded and without a read of the device:
+        an average of tensors is a 0-dim tensor. Derived values (computed from read numbers) are
+        left out."""
+        return OrderedDict(
+            (key, meter.sum / meter.count if meter.count > 0 else meter.val) if isinstance(meter, AverageMeter)
+            else (key, meter.smoothed_value)
+            for key, meter in self.items() if not key.startswith("_") and not isinstance(meter, DerivedMeter))
 
     def get_smoothed_values(self) -> Dict[str, float]:
         """All values, in priority order; keys starting with "_" are private and left out."""

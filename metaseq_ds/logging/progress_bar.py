@@ -84,9 +84,14 @@ class StatsSink:
                     self.writer.add_scalar(f"{tag}/{key}", value, step)
             self.writer.flush()
 
-    def advance(self, step: int, values: Dict[str, Any]) -> None:
-        """The bar at update `step`, showing `values` (what the criterion logged for it)."""
-        if self.bar is not None:
+    def advance(self, step: int, values: Optional[Dict[str, Any]] = None) -> None:
+        """The bar at update `step`, showing `values` (the last log line's) if given, else the
+        values it showed before."""
+        if self.bar is None:
+            return
+        if values is None:
+            self.bar.update(self.bar_task, completed=step)
+        else:
             self.bar.update(self.bar_task, completed=step, stats=format_values(values))
 
     def close(self) -> None:

@@ -12,6 +12,11 @@ or of one validation split, are first combined over the data-parallel ranks:
 Then `reduce_and_log` runs `task.reduce_metrics(outputs, criterion)` in a fresh
 `metrics.aggregate()`: what it logs reaches every aggregator open at the time (train_inner,
 train, default; or validation's own root), and this update's values come back as numbers.
+
+A training update reads nothing from the device (`read=False`): each read is a host sync on a
+GPU, which idles it while the host catches up. Its summed tensors stay on the device (the
+meters sum them there), host numbers stay exact on the host, and the values it returns may be
+0-dim device tensors, read with `read_values` once per log line for all updates since the last.
 """
 
 import logging
@@ -30,9 +35,12 @@ logger = logging.getLogger(__name__)
 LoggingOutput = Dict[str, Any]
 
 def combine_over_ranks(logging_outputs: List[LoggingOutput], summable: bool, group=None,
-                       may_be_empty: bool = False) -> List[LoggingOutput]:
+                       may_be_empty: bool = False, read: bool = True) -> List[LoggingOutput]:
     """This rank's `logging_outputs`, combined with every other rank's of `group` (default: the
     world; one process: just this rank's): `[sums]` when `summable`, else the gathered list.
+
+    `read=False` (summable only): the sums of keys with tensors are left as 0-dim float64
+    tensors on the device, unread; keys of host numbers are summed as numbers.
 
     `may_be_empty`: some rank may have no outputs (a validation shard without a batch), so the
     ranks first agree on the keys (one more, small, collective); an update's ranks all have some."""
@@ -43,7 +51,7 @@ def combine_over_ranks(logging_outputs: List[LoggingOutput], summable: bool, gro
             every_rank_keys: List[Optional[List[str]]] = [None] * world
             dist.all_gather_object(every_rank_keys, keys, group=group)
             keys = sorted(set().union(*every_rank_keys))
-        return [_sum_over_ranks(logging_outputs, keys, group, alone=world == 1)]
+        return [_sum_over_ranks(logging_outputs, keys, group, alone=world == 1, read=read)]
     outputs = [_to_host(output) for output in logging_outputs]
     if world == 1:
         return outputs
@@ -52,7 +60,8 @@ def combine_over_ranks(logging_outputs: List[LoggingOutput], summable: bool, gro
     return [output for rank_outputs in gathered for output in rank_outputs]
 
 
-def _sum_over_ranks(logging_outputs: List[LoggingOutput], keys: List[str], group, alone: bool) -> LoggingOutput:
+def _sum_over_ranks(logging_outputs: List[LoggingOutput], keys: List[str], group, alone: bool,
+                    read: bool) -> LoggingOutput:
     # Every rank must bring the same keys in the same order to one all-reduce: the first
     # output's keys, sorted (metaseq's rule: a criterion logs the same keys every batch).
     device = _collective_device(alone, logging_outputs)
@@ -70,14 +79,35 @@ def _sum_over_ranks(logging_outputs: List[LoggingOutput], keys: List[str], group
         on_host.append(math.fsum(float(v) for v in values if not torch.is_tensor(v)))
     if not keys:
         return {}
+    integer = {key for key in keys if all(isinstance(o.get(key, 0), numbers.Integral) for o in logging_outputs)}
+    if not read:
+        return _unread_sums(logging_outputs, keys, on_device, on_host, integer, group, alone)
     if alone:  # one read of the device; the host's numbers stay exact where they are
         totals = [tensor + host for tensor, host in zip(torch.stack(on_device).tolist(), on_host)]
     else:  # one copy to the device, one all-reduce, one read back: the update's only sync for its log
         totals = torch.stack(on_device) + torch.tensor(on_host, dtype=torch.float64).to(device, non_blocking=True)
         dist.all_reduce(totals, group=group)
         totals = totals.tolist()
-    integer = {key for key in keys if all(isinstance(o.get(key, 0), numbers.Integral) for o in logging_outputs)}
     return {key: int(total) if key in integer else total for key, total in zip(keys, totals)}
+
+
+def _unread_sums(logging_outputs: List[LoggingOutput], keys: List[str], on_device: List[torch.Tensor],
+                 on_host: List[float], integer, group, alone: bool) -> LoggingOutput:
+    """The sums without a read of the device: the tensors' one all-reduce stays on the device;
+    the host numbers are summed on the host (on several NCCL ranks their small collective is
+    read back: a criterion branches on them, as metaseq's cross_entropy does on sample_size)."""
+    from metaseq_ds.distributed.utils import all_reduce_sum
+
+    with_tensors = [i for i, key in enumerate(keys) if any(torch.is_tensor(o.get(key)) for o in logging_outputs)]
+    device_totals = torch.stack([on_device[i] for i in with_tensors]) if with_tensors else None
+    if not alone:
+        if device_totals is not None:
+            dist.all_reduce(device_totals, group=group)
+        on_host = all_reduce_sum(on_host, group=group)
+    sums = {key: int(total) if key in integer else total for key, total in zip(keys, on_host)}
+    for row, i in enumerate(with_tensors):
+        sums[keys[i]] = device_totals[row] + on_host[i]
+    return sums
 
 
 def _collective_device(alone: bool, logging_outputs: List[LoggingOutput]) -> torch.device:
@@ -110,9 +140,9 @@ def _host_value(value):
 _warned_no_loss = False
 
 
-def reduce_and_log(task, criterion, logging_outputs: List[LoggingOutput]) -> Dict[str, float]:
+def reduce_and_log(task, criterion, logging_outputs: List[LoggingOutput], read: bool = True) -> Dict[str, Any]:
     """`task.reduce_metrics` on the combined outputs inside a fresh aggregator nested in the open
-    ones; the values it logged, as numbers."""
+    ones; the values it logged, as numbers (`read=False`: as `MetersDict.unread_values`)."""
     global _warned_no_loss
     with metrics.aggregate() as values:
         task.reduce_metrics(logging_outputs, criterion)
@@ -122,4 +152,17 @@ def reduce_and_log(task, criterion, logging_outputs: List[LoggingOutput]) -> Dic
                 _warned_no_loss = True
                 logger.warning(f"{type(criterion).__name__}.reduce_metrics logged no 'loss'; it is logged as -1")
             metrics.log_scalar("loss", -1)
-        return dict(values.get_smoothed_values())
+        return dict(values.get_smoothed_values() if read else values.unread_values())
+
+
+def read_values(stats: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Copies of `stats` with each 0-dim tensor as a Python number, all read in one transfer."""
+    tensors = [(index, key, value) for index, values in enumerate(stats) for key, value in values.items()
+               if torch.is_tensor(value)]
+    read = [dict(values) for values in stats]
+    if tensors:
+        device = tensors[0][2].device
+        numbers = torch.stack([value.detach().reshape(()).to(device, torch.float64) for _, _, value in tensors]).tolist()
+        for (index, key, _), number in zip(tensors, numbers):
+            read[index][key] = number
+    return read
