@@ -270,7 +270,7 @@ def step_only(flags: List[str]) -> None:
 
     from metaseq_ds import tasks
     from metaseq_ds.distributed import utils as dist_utils
-    from metaseq_ds.distributed.deepspeed_config import build_deepspeed_config
+    from metaseq_ds.distributed.deepspeed_config import accelerator_traits, build_deepspeed_config
     from metaseq_ds.distributed.materialize import build_model
     from metaseq_ds.models.initialization import InitialValues
     from metaseq_ds.options import parse_train_config
@@ -281,7 +281,7 @@ def step_only(flags: List[str]) -> None:
     torch.manual_seed(cfg.common.seed)
     task = tasks.setup_task(cfg.task)
     criterion = task.build_criterion(cfg.criterion)
-    ds_config = build_deepspeed_config(cfg, 1, fp16_supported=False)
+    ds_config = build_deepspeed_config(cfg, 1, **accelerator_traits())
     model = build_model(cfg, task, criterion, lambda model: InitialValues(model, model.init_seed), None)
     trainer = Trainer(cfg, task, model, criterion, ds_config)
     itr = task.get_batch_iterator("train", batch_size=cfg.dataset.batch_size, seed=cfg.common.seed).next_epoch_itr()

@@ -65,7 +65,7 @@ def worker(args) -> None:
     from benchmarks.train_worker import RandomTokensTask, batches, train_flags
     from metaseq_ds import criterions
     from metaseq_ds.distributed import utils as dist_utils
-    from metaseq_ds.distributed.deepspeed_config import build_deepspeed_config
+    from metaseq_ds.distributed.deepspeed_config import accelerator_traits, build_deepspeed_config
     from metaseq_ds.distributed.materialize import build_model
     from metaseq_ds.models.initialization import InitialValues
     from metaseq_ds.options import parse_train_config
@@ -80,7 +80,7 @@ def worker(args) -> None:
     torch.manual_seed(cfg.common.seed)
     task = RandomTokensTask(cfg.task)
     criterion = criterions.build_criterion(cfg.criterion, task)
-    ds_config = build_deepspeed_config(cfg, ranks, fp16_supported=False)
+    ds_config = build_deepspeed_config(cfg, ranks, **accelerator_traits())
     zero3_config = ds_config if stage == 3 else None
     model = build_model(cfg, task, criterion, lambda m: InitialValues(m, m.init_seed), zero3_config)
     parameters = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # this rank's TP share

@@ -184,14 +184,14 @@ def main() -> None:
     args = parser.parse_args()
 
     from metaseq_ds.distributed import utils as dist_utils
-    from metaseq_ds.distributed.deepspeed_config import build_deepspeed_config
+    from metaseq_ds.distributed.deepspeed_config import accelerator_traits, build_deepspeed_config
     from metaseq_ds.options import parse_train_config
 
     dist_utils.init_distributed()
     args.world_size, rank = dist_utils.get_world_size(), dist_utils.get_global_rank()
     cfg = parse_train_config(train_flags(args))
     torch.manual_seed(cfg.common.seed)
-    ds_config = build_deepspeed_config(cfg, args.world_size, fp16_supported=False)
+    ds_config = build_deepspeed_config(cfg, args.world_size, **accelerator_traits())
     step, engine = step_fn(args.side, cfg, args, ds_config)
     turns = Turns(args.out, args.side, rank)
     dist_utils.barrier()

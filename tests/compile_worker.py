@@ -43,7 +43,7 @@ def losses(stage: int, compiled: bool):
     torch.manual_seed(cfg.common.seed)  # as `mseq train` does
     task = RandomTokensTask(cfg.task)
     criterion = criterions.build_criterion(cfg.criterion, task)
-    ds_config = build_deepspeed_config(cfg, 1, fp16_supported=False)
+    ds_config = build_deepspeed_config(cfg, 1, fp16_supported=False, overlaps_communication=False)
     zero3 = ds_config if stage == 3 else None
     model = build_model(cfg, task, criterion, lambda model: InitialValues(model, model.init_seed), zero3)
     trainer = Trainer(cfg, task, model, criterion, ds_config)

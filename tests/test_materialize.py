@@ -27,7 +27,7 @@ def partition_dtypes(precision_flags) -> dict:
     dist_utils.init_distributed()
     cfg = parse_train_config(TINY + precision_flags)
     task = tasks.setup_task(dataclasses.replace(cfg.task, data=None))
-    ds_config = build_deepspeed_config(cfg, 1, fp16_supported=False)
+    ds_config = build_deepspeed_config(cfg, 1, fp16_supported=False, overlaps_communication=False)
     model = build_model(cfg, task, None, lambda m: InitialValues(m, m.init_seed), ds_config)
     return {name: str(param.ds_tensor.dtype) for name, param in model.named_parameters()}
 

@@ -64,6 +64,8 @@ def test_opt_175b_on_1024_ranks_is_planned_without_allocating_the_model():
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "opt_175b: 174,604,468,224 parameters" in out and "128 data-parallel x 8 tensor-parallel, ZeRO-3, bf16" in out
+    # a layer's share, 12 * 12288**2 / 8 in bf16; two on a GPU (the next one prefetched)
+    assert "gathers a layer at a time: 0.42 GiB on a CPU rank; on a GPU also the next one, prefetched during this one: 0.84 GiB" in out
     peak = int(out.split("PEAK_RSS ")[1])
     assert peak < 2**30  # 175B parameters would be 350 GB in bf16: nothing was allocated
     assert "Warning" not in result.stderr and "warn" not in result.stderr.lower()

@@ -136,14 +136,14 @@ def test_demo_defaults_apply_only_without_data():
 
 def test_deepspeed_config_is_derived_and_presets_override_only_what_they_set(tmp_path):
     cfg = parse_train_config(DATA + ["--batch-size", "4", "--update-freq", "2", "--clip-norm", "0.5", "--bf16"])
-    ds = build_deepspeed_config(cfg, world_size=2, fp16_supported=False)
+    ds = build_deepspeed_config(cfg, world_size=2, fp16_supported=False, overlaps_communication=False)
     assert ds["train_micro_batch_size_per_gpu"] == 4 and ds["gradient_accumulation_steps"] == 2
     assert ds["train_batch_size"] == 16 and ds["gradient_clipping"] == 0.5
     assert ds["zero_optimization"]["stage"] == 3 and ds["bf16"]["enabled"]
-    assert build_deepspeed_config(cfg, world_size=1, fp16_supported=False)["zero_optimization"]["stage"] == 0
+    assert build_deepspeed_config(cfg, world_size=1, fp16_supported=False, overlaps_communication=False)["zero_optimization"]["stage"] == 0
 
     cfg = parse_train_config(DATA + ["--batch-size", "4", "--deepspeed-config", "zero2"])
-    ds = build_deepspeed_config(cfg, world_size=1, fp16_supported=False)
+    ds = build_deepspeed_config(cfg, world_size=1, fp16_supported=False, overlaps_communication=False)
     assert ds["zero_optimization"]["stage"] == 2 and ds["zero_optimization"]["overlap_comm"] is True
     assert ds["train_micro_batch_size_per_gpu"] == 4  # "auto" filled from our config
 
@@ -151,13 +151,13 @@ def test_deepspeed_config_is_derived_and_presets_override_only_what_they_set(tmp
     preset.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2}))
     cfg = parse_train_config(DATA + ["--batch-size", "4", "--deepspeed-config", str(preset)])
     with pytest.raises(UsageError, match="set --batch-size instead"):
-        build_deepspeed_config(cfg, world_size=1, fp16_supported=False)
+        build_deepspeed_config(cfg, world_size=1, fp16_supported=False, overlaps_communication=False)
 
 
 def test_fp16_without_support_falls_back_to_bf16():
     cfg = parse_train_config(DATA + ["--fp16"])
     with pytest.warns(UserWarning, match="using bf16"):
-        ds = build_deepspeed_config(cfg, world_size=1, fp16_supported=False)
+        ds = build_deepspeed_config(cfg, world_size=1, fp16_supported=False, overlaps_communication=False)
     assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
 
 
@@ -167,11 +167,27 @@ def test_zero12_optimizer_groups_hold_about_one_layer_in_order():
     from metaseq_ds.distributed.deepspeed_config import optimizer_group_limit, parameter_groups
 
     cfg = parse_train_config(["/data", "--arch", "transformer_lm_gpt2_tiny", "--zero-stage", "2"])
-    limit = optimizer_group_limit(build_deepspeed_config(cfg, 2, fp16_supported=False), cfg.model)
+    limit = optimizer_group_limit(build_deepspeed_config(cfg, 2, fp16_supported=False, overlaps_communication=False), cfg.model)
     assert limit == 12 * cfg.model.decoder_embed_dim ** 2
     params = [torch.empty(n) for n in (5, 3, 2, 9, 1)]
     groups = parameter_groups(params, 8)
     assert [[p.numel() for p in g["params"]] for g in groups] == [[5, 3], [2], [9], [1]]  # 9 > 8 stands alone
     assert parameter_groups(params, 0) is params
     zero3 = parse_train_config(["/data", "--arch", "transformer_lm_gpt2_tiny", "--zero-stage", "3"])
-    assert optimizer_group_limit(build_deepspeed_config(zero3, 2, fp16_supported=False), zero3.model) == 0
+    assert optimizer_group_limit(build_deepspeed_config(zero3, 2, fp16_supported=False, overlaps_communication=False), zero3.model) == 0
+
+
+def test_zero3_prefetches_the_next_layer_where_communication_overlaps():
+    from metaseq_ds.distributed.deepspeed_config import accelerator_traits
+
+    cfg = parse_train_config(DATA + ["--arch", "opt_1_3b", "--model-parallel-size", "2"])
+    layer = 12 * 2048 * 2048 // 2  # one layer's tensor-parallel share
+
+    def zero(overlaps: bool):
+        return build_deepspeed_config(cfg, 4, fp16_supported=True, overlaps_communication=overlaps)["zero_optimization"]
+
+    # A GPU: the next layer is gathered while this one computes (DeepSpeed prefetches within the live limit).
+    assert zero(True)["stage3_prefetch_bucket_size"] == layer and zero(True)["stage3_max_live_parameters"] == 2 * layer
+    # A CPU: gloo computes on the same cores; one layer gathered at a time.
+    assert zero(False)["stage3_prefetch_bucket_size"] == 0 and zero(False)["stage3_max_live_parameters"] == layer
+    assert accelerator_traits() == {"fp16_supported": False, "overlaps_communication": False}  # this CPU machine

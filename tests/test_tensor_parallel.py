@@ -150,7 +150,7 @@ def test_a_deepspeed_preset_cannot_ask_for_its_own_tensor_parallelism(tmp_path):
     cfg = parse_train_config(["/data", "--decoder-attention-heads", "4", "--model-parallel-size", "2",
                               "--deepspeed-config", str(preset)])
     with pytest.raises(UsageError, match="sets tensor_parallel.autotp_size=4; set --model-parallel-size instead"):
-        build_deepspeed_config(cfg, world_size=2, fp16_supported=False)
+        build_deepspeed_config(cfg, world_size=2, fp16_supported=False, overlaps_communication=False)
     plain = parse_train_config(["/data", "--decoder-attention-heads", "4", "--model-parallel-size", "2"])
-    derived = build_deepspeed_config(plain, world_size=4, fp16_supported=False)
+    derived = build_deepspeed_config(plain, world_size=4, fp16_supported=False, overlaps_communication=False)
     assert derived["tensor_parallel"] == {"autotp_size": 2} and derived["train_batch_size"] == 2 * 8

@@ -20,12 +20,11 @@ class Layout:
 
     @classmethod
     def of_run(cls, cfg, world_size: int) -> "Layout":
-        from metaseq_ds.distributed.deepspeed_config import build_deepspeed_config, optimizer_group_limit, training_precision
+        from metaseq_ds.distributed.deepspeed_config import (
+            accelerator_traits, build_deepspeed_config, optimizer_group_limit, training_precision)
         from metaseq_ds.distributed.tensor_parallel import tensor_parallel_size
 
-        import deepspeed
-
-        ds_config = build_deepspeed_config(cfg, world_size, fp16_supported=deepspeed.get_accelerator().is_fp16_supported())
+        ds_config = build_deepspeed_config(cfg, world_size, **accelerator_traits())
         return cls(world_size, ds_config["zero_optimization"]["stage"], tensor_parallel_size(cfg), training_precision(ds_config),
                    optimizer_group_limit(ds_config, cfg.model))
 

@@ -52,7 +52,6 @@ def main(cfg) -> None:
     if cfg.common.dry_run:
         dry_run(cfg)
         return
-    import deepspeed
     import torch
 
     from metaseq_ds import tasks
@@ -60,7 +59,7 @@ def main(cfg) -> None:
     from metaseq_ds.checkpoint.manager import CheckpointManager
     from metaseq_ds.convert.hf_import import read_hf_model
     from metaseq_ds.distributed import utils as dist_utils
-    from metaseq_ds.distributed.deepspeed_config import build_deepspeed_config
+    from metaseq_ds.distributed.deepspeed_config import accelerator_traits, build_deepspeed_config
     from metaseq_ds.distributed.materialize import build_model
     from metaseq_ds.distributed.tensor_parallel import check_world, tensor_parallel_size
     from metaseq_ds.logging.progress_bar import StatsSink, setup_logging
@@ -85,7 +84,7 @@ def main(cfg) -> None:
     torch.manual_seed(cfg.common.seed)  # the same initial weights whatever the layout
     task = tasks.setup_task(cfg.task)
     criterion = task.build_criterion(cfg.criterion)
-    ds_config = build_deepspeed_config(cfg, world_size, fp16_supported=deepspeed.get_accelerator().is_fp16_supported())
+    ds_config = build_deepspeed_config(cfg, world_size, **accelerator_traits())
     zero3_config = ds_config if ds_config["zero_optimization"]["stage"] == 3 else None
     model = build_model(cfg, task, criterion, lambda model: checkpoints.parameter_values(plan, model), zero3_config)
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: before partitioning

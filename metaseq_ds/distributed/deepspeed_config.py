@@ -43,8 +43,11 @@ def resolve_zero_stage(cfg: MetaseqConfig, world_size: int) -> int:
     return stage if stage is not None else (3 if world_size > 1 else 0)
 
 
-def build_deepspeed_config(cfg: MetaseqConfig, world_size: int, fp16_supported: bool) -> Dict[str, Any]:
-    """The DeepSpeed config for this run: ours, then the preset's explicit values on top."""
+def build_deepspeed_config(cfg: MetaseqConfig, world_size: int, fp16_supported: bool,
+                           overlaps_communication: bool) -> Dict[str, Any]:
+    """The DeepSpeed config for this run: ours, then the preset's explicit values on top.
+
+    `fp16_supported`, `overlaps_communication`: what the accelerator can do (`accelerator_traits`)."""
     common, dist_cfg = cfg.common, cfg.distributed_training
     fp16 = common.fp16
     bf16 = common.bf16
@@ -53,7 +56,8 @@ def build_deepspeed_config(cfg: MetaseqConfig, world_size: int, fp16_supported: 
         fp16, bf16 = False, True
     tp_size = tensor_parallel_size(cfg)
     data_parallel_size = world_size // tp_size  # DeepSpeed's batch arithmetic counts data-parallel ranks
-    zero: Dict[str, Any] = {"stage": resolve_zero_stage(cfg, world_size), **_bucket_sizes(cfg.model, tp_size)}
+    zero: Dict[str, Any] = {"stage": resolve_zero_stage(cfg, world_size),
+                            **_bucket_sizes(cfg.model, tp_size, prefetch_a_layer=overlaps_communication)}
     if dist_cfg.cpu_offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
     derived: Dict[str, Any] = {
@@ -99,7 +103,16 @@ def training_precision(ds_config: Dict[str, Any]) -> str:
     return "bf16" if ds_config["bf16"]["enabled"] else "fp16" if ds_config["fp16"]["enabled"] else "fp32"
 
 
-def _bucket_sizes(model_cfg, tp_size: int) -> Dict[str, int]:
+def accelerator_traits() -> Dict[str, bool]:
+    """What `build_deepspeed_config` asks of this process's accelerator (DeepSpeed's choice)."""
+    import deepspeed
+
+    accelerator = deepspeed.get_accelerator()
+    return {"fp16_supported": bool(accelerator.is_fp16_supported()),
+            "overlaps_communication": accelerator.device_name() != "cpu"}
+
+
+def _bucket_sizes(model_cfg, tp_size: int, prefetch_a_layer: bool) -> Dict[str, int]:
     """ZeRO's buffers and working sets sized by the model, so that a rank holds its share plus
     about one layer (12 d*d parameters for width d), whatever the model's size.
 
@@ -110,18 +123,25 @@ def _bucket_sizes(model_cfg, tp_size: int) -> Dict[str, int]:
     reuse-distance limits are one layer as this rank gathers it, its tensor-parallel share (at
     TP=2 a whole layer's count would keep two layers gathered). The sub-group limit stays one
     whole layer whatever the TP degree: it fixes the optimizer's flat groups in checkpoints.
-    Models without a width (plugins) keep DeepSpeed's defaults."""
+    Models without a width (plugins) keep DeepSpeed's defaults.
+
+    `prefetch_a_layer` (a GPU: collectives run on their own stream): ZeRO-3 gathers the next
+    layer while this one computes, as FSDP does, so the live limit is two layers. DeepSpeed
+    prefetches only within the live limit: with one layer live, it never prefetched, and each
+    layer's gather waited in full. A CPU rank keeps one layer: gloo's collectives share the
+    cores the step computes on, so there is nothing to overlap, and a layer more of memory."""
     if "decoder_embed_dim" not in model_cfg.__dataclass_fields__:
         return {}
     width = model_cfg.decoder_embed_dim
     layer = 12 * width * width
+    gathered = layer // tp_size  # one layer, as this rank gathers it
     return {
         "reduce_bucket_size": width * width,
         "allgather_bucket_size": width * width,
-        "stage3_prefetch_bucket_size": int(0.9 * width * width),
+        "stage3_prefetch_bucket_size": gathered if prefetch_a_layer else 0,
         "stage3_param_persistence_threshold": 10 * width,
-        "stage3_max_live_parameters": layer // tp_size,
-        "stage3_max_reuse_distance": layer // tp_size,
+        "stage3_max_live_parameters": 2 * gathered if prefetch_a_layer else gathered,
+        "stage3_max_reuse_distance": gathered,
         "sub_group_size": layer,
     }
 

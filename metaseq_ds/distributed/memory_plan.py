@@ -42,6 +42,7 @@ class MemoryPlan:
     parameters: int  # the whole model
     tp_share_parameters: int  # what one rank's tensor-parallel slice holds
     largest_parameter: int  # elements of the largest tensor-parallel slice of one parameter
+    layer_parameters: int  # one decoder layer's tensor-parallel share: what ZeRO-3 gathers at a time
     per_rank: Dict[str, float]  # bytes
 
     @property
@@ -67,12 +68,13 @@ def plan_memory(cfg, world_size: int) -> MemoryPlan:
     task = tasks.setup_task(dataclasses.replace(cfg.task, data=None))  # sizes only: no data is read
     with torch.device("meta"):
         model = task.build_model(cfg.model)
-    whole = share = largest = 0
+    whole = share = largest = layer = 0
     for name, param in model.named_parameters():
         sliced = param.numel() // tp if tp > 1 and partition_dim(name) is not None else param.numel()
         whole += param.numel()
         share += sliced
         largest = max(largest, sliced)
+        layer += sliced if name.startswith("decoder.layers.0.") else 0
     low_precision = cfg.common.bf16 or cfg.common.fp16
     element = 2 if low_precision else 4
     master = 4 if low_precision else 0
@@ -84,7 +86,7 @@ def plan_memory(cfg, world_size: int) -> MemoryPlan:
                        + _loss_bytes(cfg, model.decoder, tp, element, streamed_tie=stage == 3 and dp > 1),
     }
     precision = "bf16" if cfg.common.bf16 else "fp16" if cfg.common.fp16 else "fp32"
-    return MemoryPlan(world_size, tp, stage, precision, whole, share, largest, per_rank)
+    return MemoryPlan(world_size, tp, stage, precision, whole, share, largest, layer, per_rank)
 
 
 def _activation_bytes(cfg, tp: int, element: int, layers: int) -> float:
@@ -138,4 +140,7 @@ def describe(plan: MemoryPlan, arch: str) -> List[str]:
         theirs = deepspeed_zero3_estimate(plan)
         lines.append(f"  ZeRO-3 model states + the largest slice gathered in fp32: {ours / GIB:.2f} GiB; DeepSpeed's "
                      f"estimate_zero3_model_states_mem_needs: {theirs / GIB:.2f} GiB (it counts 18 bytes a parameter)")
+        layer = plan.layer_parameters * (4 if plan.precision == "fp32" else 2)
+        lines.append(f"  ZeRO-3 gathers a layer at a time: {layer / GIB:.2f} GiB on a CPU rank; on a GPU also the "
+                     f"next one, prefetched during this one: {2 * layer / GIB:.2f} GiB")
     return lines

@@ -33,7 +33,7 @@ def gather_layers_whole(model: torch.nn.Module) -> None:
     each of its linear layers and norms, whose Python cost the host pays 4 times a step for
     each (measured on the CPU, one rank, bf16: a ZeRO-3 step 9% slower than ZeRO-0's with a hook
     per submodule, equal with one per layer). A rank gathers no more than before: ZeRO-3's
-    live-parameter limit is one layer (`deepspeed_config._bucket_sizes`).
+    live-parameter limit is one layer, two on a GPU, the next prefetched (`deepspeed_config._bucket_sizes`).
     """
     from deepspeed.utils import set_z3_leaf_module
 
