@@ -48,13 +48,27 @@ def test_plan_partition_dims_and_merge_invert_the_split():
 
 
 def test_tp2_logits_loss_and_gradients_equal_the_unsharded_model():
+    """tp_parity_worker.py: the fused loss over the vocabulary shards, in chunks of 7 rows (of the
+    model's 48 and the head's 20, pads among them), against the logits' cross entropy, with the
+    embedding tied and untied."""
     diffs = run_worker(Path(__file__).with_name("tp_parity_worker.py"), "TP_PARITY")
-    assert diffs["sharded_q_proj_rows"] == 16  # half of the 32 rows: the plan did shard
-    assert diffs["saved_weight_views"] == 0  # ZeRO-3 can free every TP layer's gathered weight after its forward
-    assert diffs["logits"] < 1e-5 and diffs["logit_shard"] < 1e-5
-    for criterion in ("cross_entropy", "vocab_parallel_cross_entropy"):
-        assert diffs[f"loss[{criterion}]"] < 1e-5
-        assert diffs[f"grad[{criterion}]"] < 1e-5
+    for tied in ("[tied]", "[untied]"):
+        assert diffs["sharded_q_proj_rows" + tied] == 16  # half of the 32 rows: the plan did shard
+        assert diffs["saved_weight_views" + tied] == 0  # ZeRO-3 can free every TP layer's gathered weight after its forward
+        assert diffs["logits" + tied] < 1e-5 and diffs["logit_shard" + tied] < 1e-5
+        # The head alone: its loss against its own gathered logits' cross entropy
+        assert diffs["head_weight_shard_rows" + tied] == 24  # of the 48 words
+        for what in ("loss", "losses", "features_grad", "weight_shard_grad"):
+            assert diffs[f"head_{what}{tied}"] < 1e-6, what
+        assert diffs["head_pad_losses" + tied] == 0 and diffs["head_losses_equal_across_tp_ranks" + tied]
+        # The model through each criterion: its fused loss against its own logits path
+        for criterion in ("cross_entropy", "vocab_parallel_cross_entropy"):
+            assert diffs[f"logits_like_saved[{criterion}]{tied}"] == 0  # no logits made, whole or sharded
+            assert diffs[f"logits_like_saved_by_logits_path[{criterion}]{tied}"] > 0  # which the count would see
+            for what in ("loss", "logged_loss", "grad"):
+                assert diffs[f"{what}[{criterion}]{tied}"] < 1e-6, (what, criterion)
+            assert diffs[f"unsharded_loss[{criterion}]{tied}"] < 1e-6
+            assert diffs[f"unsharded_grad[{criterion}]{tied}"] < 1e-6
     # Megatron's rule: replicated activations see the same masks on both ranks, shards different ones.
     assert diffs["replicated_logits_equal_across_tp_ranks"]
     assert diffs["ffn_dropout_masks_differ_across_tp_ranks"]

@@ -2,6 +2,7 @@
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 from metaseq_ds.criterions.base_criterion import BaseCriterion
 from metaseq_ds.criterions.registry import register_criterion
@@ -45,13 +46,19 @@ class CrossEntropyCriterion(BaseCriterion):
         return cross_entropy(logits.view(-1, logits.size(-1)), target.view(-1), ignore_index=self.padding_idx)
 
     def _loss_in_model(self, model) -> bool:
-        """Whether `model` (or the engine's module) is a decoder whose output layer is ours and
-        this criterion's loss is `token_losses`' own: then the decoder computes it from its
-        features (`TransformerDecoder.output_loss`)."""
+        """Whether `model` (or the engine's module) computes this criterion's loss from its
+        features (`TransformerDecoder.output_loss`): see `_decoder_computing`."""
+        return self._decoder_computing(model, CrossEntropyCriterion) is not None
+
+    def _decoder_computing(self, model, owner: type) -> Optional[TransformerDecoder]:
+        """The decoder of `model` (or the engine's module) when its output layer is ours and
+        this criterion's loss is `owner.token_losses`, the cross entropy of the logits, which
+        the decoder can compute from its features; None otherwise (a subclass with another loss)."""
         decoder = decoder_of(model)
-        return (decoder is not None
-                and type(decoder).output_layer is TransformerDecoder.output_layer
-                and type(self).token_losses is CrossEntropyCriterion.token_losses)
+        if (decoder is not None and type(decoder).output_layer is TransformerDecoder.output_layer
+                and type(self).token_losses is owner.token_losses):
+            return decoder
+        return None
 
     @staticmethod
     def reduce_metrics(logging_outputs) -> None:

@@ -15,9 +15,10 @@ partitioned over the D = ranks / T data-parallel ranks. Bytes per rank:
 - activations of one micro-batch: an estimate after Korthikanti et al. (2022), s*b*h*(10 + 24/T)
   bytes a layer at 2 bytes an element, without the s^2 attention term (SDPA's fused kernels keep
   none), or one layer's input a layer with --checkpoint-activations; plus the loss: the logits
-  (s*b*V/T) where they are made (a tensor-parallel vocabulary; ZeRO-3 streaming a tied embedding
-  over several data-parallel ranks), else what the fused projection and loss hold (one chunk of
-  fp32 logits, the features' gradient and the projection's weight gradient, made in the forward).
+  (s*b*V/T) where they are made (ZeRO-3 streaming a tied embedding over several data-parallel
+  ranks), else what the fused projection and loss hold (one chunk of fp32 logits, the features'
+  gradient and the gradient of the projection's weight, or of its vocabulary shard under tensor
+  parallelism, made in the forward).
 
 DeepSpeed's own `estimate_zero3_model_states_mem_needs` is printed beside the ZeRO-3 figure (it
 assumes fp16 mixed precision: 18 bytes a parameter plus its largest layer in fp32).
@@ -104,10 +105,11 @@ def _loss_bytes(cfg, decoder, tp: int, element: int, streamed_tie: bool) -> floa
     from metaseq_ds.modules.cross_entropy import CHUNK_ELEMENTS
 
     vocab, width = decoder.output_projection.weight.shape
+    vocab /= tp  # a rank's shard
     tokens = cfg.task.tokens_per_sample * cfg.dataset.batch_size
     tied = decoder.output_projection.weight is decoder.embed_tokens.weight
-    if tp > 1 or (tied and streamed_tie):
-        return tokens * vocab / tp * element
+    if tied and streamed_tie:
+        return tokens * vocab * element
     return (min(CHUNK_ELEMENTS, tokens * vocab) * 4 + tokens * width * element + vocab * width * element)
 
 

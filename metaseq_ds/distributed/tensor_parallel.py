@@ -7,8 +7,11 @@ every rank first builds the same full model (same seed) and keeps only its slice
 - column (q/k/v_proj, fc1): `LinearLayer`, output features split, so each rank computes its
   own heads and its slice of the FFN; the backward all-reduces the input gradient.
 - row (out_proj, fc2): `LinearAllreduce`, input features split; partial outputs are summed.
-- vocab_head (output_projection): `VocabParallelLinear`, vocabulary rows split; the logits are
-  gathered unless the criterion reads the shards (`vocab_parallel_cross_entropy`).
+- vocab_head (output_projection): `VocabParallelLinear`, vocabulary rows split. Given targets
+  (training, validation) it returns the loss, fused with the projection over its shard
+  (`modules.cross_entropy.vocab_parallel_linear_cross_entropy`): no logits, whole or sharded.
+  Without (generation), the logits are gathered unless the criterion reads the shards
+  (`vocab_parallel_cross_entropy`).
 - vocab_embedding (embed_tokens): `VocabParallelEmbedding`; a tied embedding shares the head's shard.
 
 Attention reads its head count from its projections' width, so heads split with q/k/v.
@@ -142,6 +145,7 @@ def apply_tensor_parallel(model: nn.Module, gather_logits: bool = True) -> nn.Mo
         set_autotp_mode,
     )
 
+    from metaseq_ds.modules.cross_entropy import vocab_parallel_linear_cross_entropy
     from metaseq_ds.modules.linear import linear
     from metaseq_ds.private_apis.deepspeed_tensor_parallel import even_split_tp_meta, tp_forward_saving_the_parameter
 
@@ -165,7 +169,8 @@ def apply_tensor_parallel(model: nn.Module, gather_logits: bool = True) -> nn.Mo
         else:
             layer = VocabParallelEmbedding(module, group, tied_vocab_parallel_linear=head if tied else None, **kwargs)
         if style != "vocab_embedding":  # so that ZeRO-3 can free each layer's gathered weight after its forward
-            layer.forward = tp_forward_saving_the_parameter(layer, row_parallel=style == "row", linear=linear)
+            loss = vocab_parallel_linear_cross_entropy if style == "vocab_head" else None
+            layer.forward = tp_forward_saving_the_parameter(layer, row_parallel=style == "row", linear=linear, loss=loss)
         _replace(model, name, layer)
     tp_rank = dist_utils.get_tensor_model_parallel_rank()
     for name, module in model.named_modules():

@@ -13,6 +13,7 @@ step runs only the new token and costs O(length) instead of a re-run of the whol
 (see `metaseq_ds.models.base` for the calling convention).
 """
 
+import inspect
 import math
 from typing import Any, Dict, Optional, Tuple
 
@@ -338,15 +339,24 @@ class TransformerDecoder(BaseDecoder):
         """(B, T, C) features, (B, T) targets -> (summed loss over non-pad targets, fp32,
         differentiable; (B * T,) per-token losses, detached).
 
-        Fused (`VocabularyProjection`: no (B, T, V) logits) unless the projection was swapped (a
-        tensor-parallel vocabulary shard) or its forward replaced (ZeRO-3 streaming a tied
-        embedding): those make the logits and take `cross_entropy` of them, as before."""
-        head = self.output_projection
-        if isinstance(head, VocabularyProjection) and "forward" not in vars(head):
-            return head(features, target=target, ignore_index=self.padding_idx)
+        Fused where the projection computes the loss itself (`fuses_output_loss`): no (B, T, V)
+        logits, nor under tensor parallelism the (B, T, V/p) shard of them. Otherwise (ZeRO-3
+        streaming a tied embedding replaced the projection's forward, `distributed.tied_embedding`)
+        the projection makes the logits and the loss is `cross_entropy` of them: whole logits,
+        which a tensor-parallel head gathers for the `cross_entropy` criterion
+        (`vocab_parallel_cross_entropy` then reads the shards itself, not through here)."""
+        if self.fuses_output_loss():
+            return self.output_projection(features, target=target, ignore_index=self.padding_idx)
         logits = self.output_layer(features)
         losses = cross_entropy(logits.view(-1, logits.size(-1)), target.reshape(-1), ignore_index=self.padding_idx)
         return losses.sum(), losses.detach()
+
+    def fuses_output_loss(self) -> bool:
+        """Whether the output projection, given `target=`, returns the loss fused with its product
+        (no logits): `VocabularyProjection`, and the tensor-parallel vocabulary head
+        (`distributed.tensor_parallel`), unless their forward was replaced by one that only
+        makes logits (which takes no target)."""
+        return "target" in inspect.signature(self.output_projection.forward).parameters
 
     def max_positions(self) -> int:
         return self.max_target_positions

@@ -1,8 +1,10 @@
 """Cross entropy over a large vocabulary without (N, V) temporaries (fairseq's `modules.cross_entropy`),
-and the output projection fused with it, without the (N, V) logits.
+and the output projection fused with it, without the (N, V) logits, also for a vocabulary split
+over a tensor-parallel group.
 
     losses = cross_entropy(logits.view(-1, V), target.view(-1), ignore_index=pad)  # (N,) fp32
-    loss, losses = head(features, target=target, ignore_index=pad)  # head: a VocabularyProjection
+    loss, losses = head(features, target=target, ignore_index=pad)  # head: a VocabularyProjection,
+                                                                    # or the tensor-parallel head
 
 `F.cross_entropy(logits.float(), ...)` makes three (N, V) fp32 tensors per step besides the
 logits: the upcast, the log-softmax it saves for backward, and the gradient. With OPT's
@@ -20,9 +22,21 @@ it out at once into the features' gradient and the weight's (accumulated over th
 weight's dtype: rounded once a chunk in bf16). The backward only scales the two by the loss's
 gradient, which is why the fused loss is the sum over the rows (the per-row losses come out
 detached, for logging). Same products and elementwise work as projection + `cross_entropy`.
+
+`vocab_parallel_linear_cross_entropy` is the same over a tensor-parallel vocabulary (the head
+of `distributed.tensor_parallel`, whose forward calls it given targets): each rank projects its
+features (the same on every rank) onto its own (V/p, C) rows only, a chunk at a time. Per chunk
+one all-gather of each rank's fp32 log-normalisers and target logits (0 where the target is
+elsewhere) gives every rank the whole vocabulary's, hence the same losses; the softmax is then
+the shard's part of the whole row's, and the gradient of the shard's logits (the onehot only
+where the shard holds the target) gives this rank's rows of the weight's gradient and its part
+of the features', summed over the group once after the last chunk. Neither the (N, V) logits
+nor the whole (N, V/p) shard of them exist, only a chunk's; and the loss itself sends (2, rows)
+a chunk over the group, where the logits path gathers the logits or, reading the shards,
+all-reduces three (N,) vectors.
 """
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -59,14 +73,16 @@ def _log_normalizers(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _into_gradient_(logits: torch.Tensor, log_normalizer: torch.Tensor, safe_target: torch.Tensor,
-                    scale: torch.Tensor) -> None:
-    """Overwrite the (N, V) logits with d loss / d logits = (softmax - onehot(target)) * scale
-    ((N, 1) fp32), recomputed in fp32 a block of rows at a time."""
+                    scale: torch.Tensor, target_scale: Optional[torch.Tensor] = None) -> None:
+    """Overwrite the (N, V) logits with d loss / d logits = softmax * scale - onehot(target) *
+    target_scale ((N, 1) fp32 each; target_scale None: `scale`), recomputed in fp32 a block of
+    rows at a time. (A vocabulary shard subtracts the onehot only in the rows whose target it holds.)"""
+    target_scale = scale if target_scale is None else target_scale
     for rows in _row_blocks(logits):
         block = logits[rows]  # (n, V), a view into the logits
         work = block.float()  # the view itself for fp32 logits, an fp32 copy otherwise
         work.sub_(log_normalizer[rows, None]).exp_().mul_(scale[rows])
-        work.scatter_add_(1, safe_target[rows], -scale[rows])
+        work.scatter_add_(1, safe_target[rows], -target_scale[rows])
         if work.data_ptr() != block.data_ptr():
             block.copy_(work)
 
@@ -89,24 +105,61 @@ class _SoftmaxCrossEntropy(torch.autograd.Function):
         return logits, None, None
 
 
+class _VocabularyShard:
+    """Where a (V/p, C) weight's rows sit in the vocabulary (from row `start`), and the group of
+    ranks (`group`, a tensor-parallel group) that hold the other rows, for the same features."""
+
+    def __init__(self, start: int, group):
+        self.start, self.group = start, group
+        self.size = torch.distributed.get_world_size(group)
+
+    def targets(self, target: torch.Tensor, keep: torch.Tensor, rows: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(N,) whether this shard holds each row's target (never a pad's), and (N, 1) the
+        target's row in the shard (0 where it holds none)."""
+        local = target - self.start
+        holds = keep & local.ge(0) & local.lt(rows)
+        return holds, local.masked_fill(~holds, 0)[:, None]
+
+    def normalizers_and_picked(self, log_normalizer: torch.Tensor, picked: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The whole vocabulary's (n,) log-normalisers and target logits from every shard's:
+        `picked` is 0 on the shards without the target. One all-gather of (2, n) per chunk;
+        every rank then reduces the same (p, 2, n) in the same order, so the losses are equal
+        to the bit on all of them. (The logsumexp of the shards' logsumexps is the whole row's.)"""
+        mine = torch.stack([log_normalizer, picked])  # (2, n) fp32
+        every = [torch.empty_like(mine) for _ in range(self.size)]
+        torch.distributed.all_gather(every, mine, group=self.group)
+        every = torch.stack(every)  # (p, 2, n)
+        return torch.logsumexp(every[:, 0], dim=0), every[:, 1].sum(0)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, features: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int):
+    def forward(ctx, features: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, ignore_index: int,
+                shard: Optional[_VocabularyShard]):
         keep, safe_target = _safe_targets(target, ignore_index)
+        # The onehot part of the gradient: in the rows whose target this weight holds (all of
+        # them but pads, unless it is a vocabulary shard), at the target's row of the weight.
+        holds, safe_target = (keep, safe_target) if shard is None else shard.targets(target, keep, weight.size(0))
         want_features, want_weight = ctx.needs_input_grad[:2]
         losses = torch.empty(features.size(0), dtype=torch.float32, device=features.device)  # (N,)
         features_grad = torch.empty_like(features) if want_features else None  # (N, C)
         weight_grad = None  # (V, C), from the first chunk on
+        # Shards are equal (`options` makes the vocabulary a multiple of the tensor-parallel
+        # size), so every rank of a group cuts the same chunks and their collectives pair up.
         step = max(1, CHUNK_ELEMENTS // weight.size(0))
         for start in range(0, features.size(0), step):
             rows = slice(start, start + step)
             logits = product(features[rows], weight)  # (n, V)
             log_normalizer = _log_normalizers(logits)
-            losses[rows] = log_normalizer - logits.gather(1, safe_target[rows]).squeeze(1).float()
+            picked = logits.gather(1, safe_target[rows]).squeeze(1).float()  # (n,) the target's logit
+            if shard is not None:
+                log_normalizer, picked = shard.normalizers_and_picked(log_normalizer, picked.masked_fill_(~holds[rows], 0.0))
+            losses[rows] = log_normalizer - picked
             if not (want_features or want_weight):
                 continue
             # The gradient of the summed loss (pads count 0), over the chunk's logits.
-            _into_gradient_(logits, log_normalizer, safe_target[rows], keep[rows, None].float())
+            _into_gradient_(logits, log_normalizer, safe_target[rows], keep[rows, None].float(),
+                            holds[rows, None].float())
             if want_features:
                 features_grad[rows] = product(logits, weight.t())  # (n, V) @ (V, C)
             if want_weight:
@@ -114,6 +167,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     weight_grad = torch.mm(logits.t(), features[rows])  # (V, n) @ (n, C)
                 else:
                     weight_grad.addmm_(logits.t(), features[rows])
+        if shard is not None and want_features:
+            # Each shard's part of the features' gradient, summed once for all chunks (what the
+            # column-parallel projection's backward all-reduces).
+            torch.distributed.all_reduce(features_grad, group=shard.group)
         losses.masked_fill_(~keep, 0.0)
         ctx.save_for_backward(features_grad, weight_grad)
         ctx.mark_non_differentiable(losses)
@@ -128,7 +185,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for grad in (features_grad, weight_grad):
             if grad is not None:
                 grad.mul_(grad_loss)
-        return features_grad, weight_grad, None, None
+        return features_grad, weight_grad, None, None, None
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -149,7 +206,22 @@ def linear_cross_entropy(features: torch.Tensor, weight: torch.Tensor, target: t
     (detached; 0 where target == ignore_index), without the (N, V) logits.
 
     Same values and gradients as `cross_entropy(features @ weight.T, target).sum()`."""
-    return _LinearCrossEntropy.apply(features, weight, target, ignore_index)
+    return _LinearCrossEntropy.apply(features, weight, target, ignore_index, None)
+
+
+def vocab_parallel_linear_cross_entropy(features: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                                        ignore_index: int, vocab_start: int, group) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`linear_cross_entropy` for a vocabulary split over the ranks of `group` (tensor
+    parallelism): `weight` (V/p, C) is this rank's rows of the vocabulary from row `vocab_start`,
+    `features` (N, C) and `target` (N,) (indices into the whole vocabulary) are the same on every
+    rank of the group, and every rank must call it. Returns the same on every rank: the summed
+    loss over the whole vocabulary (0-dim fp32, differentiable) and the (N,) per-row losses
+    (detached; 0 where target == ignore_index), without the (N, V/p) logits.
+
+    The gradients are `linear_cross_entropy`'s over the whole weight: `weight`'s is this rank's
+    rows of it, and the features' is whole (summed over the group in the forward, one
+    all-reduce). Per chunk of rows, one all-gather of (2, rows) fp32 over the group."""
+    return _LinearCrossEntropy.apply(features, weight, target, ignore_index, _VocabularyShard(vocab_start, group))
 
 
 class VocabularyProjection(Linear):

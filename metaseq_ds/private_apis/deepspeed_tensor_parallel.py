@@ -50,11 +50,13 @@ def even_split_tp_meta():
            why="DeepSpeed's TP layers multiply by self.weight.transpose(-1, -2); autograd saves that view, which "
                "keeps every layer's ZeRO-3-gathered weight alive until the backward (+80 MB a layer at 707M, TP=2 x "
                "DP=2; on a GPU the gathered weights are device memory); no upstream issue found; goes when "
-               "DeepSpeed's forward saves the parameter",
+               "DeepSpeed's forward saves the parameter. Also the vocabulary head's loss fused with its product: "
+               "DeepSpeed's VocabParallelLinear only makes logits",
            test="tests/test_tensor_parallel.py::test_tp2_logits_loss_and_gradients_equal_the_unsharded_model",
            canaries=(("deepspeed.module_inject.layers", "torch.matmul(input, self.weight.transpose(-1, -2))"),))
 def tp_forward_saving_the_parameter(layer, row_parallel: bool, linear: Callable[..., Any],
-                                    product: Optional[Callable[[Any], Any]] = None):
+                                    product: Optional[Callable[[Any], Any]] = None,
+                                    loss: Optional[Callable[..., Any]] = None):
     """A forward for one of DeepSpeed's TP layers (`LinearLayer`/`VocabParallelLinear`: column
     parallel; `LinearAllreduce`: row parallel) that multiplies through `linear` (`modules.linear.linear`)
     where DeepSpeed's multiplies by `self.weight.transpose(-1, -2)`. Same collectives (its
@@ -66,7 +68,13 @@ def tp_forward_saving_the_parameter(layer, row_parallel: bool, linear: Callable[
     tests/test_tensor_parallel.py: parity with the unsharded model, no saved view of a weight.)
 
     `product(input)`, for a column-parallel layer, replaces its local product (input @ Wᵀ + bias):
-    the streamed tied embedding's (`distributed.tied_embedding`) never gathers W whole."""
+    the streamed tied embedding's (`distributed.tied_embedding`) never gathers W whole.
+
+    `loss`, for the bias-free vocabulary head (`VocabParallelLinear`): the forward then also
+    takes `target=` and `ignore_index=`, and given a target returns `loss(input (N, C), this
+    rank's weight shard, target (N,), ignore_index, vocab_start, group)` instead of the logits
+    (`modules.cross_entropy.vocab_parallel_linear_cross_entropy`, which sums the input's gradient
+    over the group itself). It runs inside the module's call, where ZeRO-3's hooks gather W."""
     from deepspeed.module_inject import layers as tp
 
     if type(layer).tp_overlap_comm or layer.defer_collectives_to_compiler:
@@ -90,7 +98,15 @@ def tp_forward_saving_the_parameter(layer, row_parallel: bool, linear: Callable[
             output = tp.GatherFromTensorParallelRegion.apply(layer.mp_group, output, layer._partition_sizes)
         return output
 
-    return row_forward if row_parallel else column_forward
+    def head_forward(input, target=None, ignore_index: int = -100):
+        if target is None:
+            return column_forward(input)
+        return loss(input.reshape(-1, input.size(-1)), layer.weight, target.reshape(-1), ignore_index,
+                    layer.vocab_start_index, layer.mp_group)
+
+    if row_parallel:
+        return row_forward
+    return column_forward if loss is None else head_forward
 
 
 @relies_on("deepspeed", "module_inject.layers' VocabParallelEmbedding attributes and RowParallel",

@@ -5,6 +5,12 @@ gives each rank the logits of its slice of the vocabulary, (B, T, V/N); DeepSpee
 `vocab_parallel_cross_entropy` all-reduces the row maximum, the sum of exponentials and the
 target's logit over the tensor-parallel group, so the (B, T, V) logits never exist on one
 rank. Without tensor parallelism it is the plain cross entropy.
+
+Where the decoder fuses its projection with the loss (`TransformerDecoder.fuses_output_loss`:
+the tensor-parallel head does, as the plain model's does) not even the shards are made: the
+decoder computes the same loss a chunk of rows at a time, each rank's log-normalisers and
+target logits of a chunk all-gathered over the group. The shards are read as above only where
+it cannot (ZeRO-3 streaming a tied embedding) and with reduce=False.
 """
 
 from dataclasses import dataclass
@@ -22,6 +28,12 @@ class VocabParallelCrossEntropyCriterionConfig(MetaseqDataclass):
 @register_criterion("vocab_parallel_cross_entropy", dataclass=VocabParallelCrossEntropyCriterionConfig)
 class VocabParallelCrossEntropyCriterion(CrossEntropyCriterion):
     reads_vocab_parallel_logits = True
+
+    def _loss_in_model(self, model) -> bool:
+        # Only where the projection fuses the loss: the decoder's logits path would take the
+        # cross entropy of whole logits, which the head does not gather for this criterion.
+        decoder = self._decoder_computing(model, VocabParallelCrossEntropyCriterion)
+        return decoder is not None and decoder.fuses_output_loss()
 
     def token_losses(self, logits, target):
         """`logits` are (B, T, V/N): this rank's slice of the vocabulary."""
