@@ -36,3 +36,40 @@ def test_chunks_at_707m_on_4_ranks_and_at_opt_175b_on_1024_ranks():
     # minimum, so W's shard (154 MB in bf16) comes in one chunk, one product
     partition = vocabulary // 8 * 12288 // 128
     assert chunk_length(partition, group_size=128) == partition == 603_264
+
+
+def test_the_lookup_reads_nothing_from_the_device():
+    """Each chunk adds its rows to the tokens in it without finding them first (`nonzero`, a read
+    of the device: a host sync per chunk on a GPU); the rows are those of the whole weight."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from metaseq_ds.distributed.tied_embedding import StreamedTiedEmbedding
+
+    class Reads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.nonzero.default, torch.ops.aten._local_scalar_dense.default):
+                self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    weight = torch.randn(10, 4)
+
+    class Chunked:  # what `lookup` reads of a StreamedTiedEmbedding: W in blocks of 4, 4 and 2 rows
+        width = 4
+
+        class weight:  # noqa: N801 (ZeRO-3's parameter: its partition's dtype)
+            ds_tensor = weight
+
+        @staticmethod
+        def _each_weight_block(visit):
+            for first in (0, 4, 8):
+                visit(first, weight[first:first + 4])
+
+    tokens = torch.tensor([[9, 0, 4], [3, 8, 5]])
+    with Reads() as reads:
+        rows = StreamedTiedEmbedding.lookup(Chunked, tokens)
+    assert reads.ops == [] and torch.equal(rows, weight[tokens])

@@ -133,8 +133,12 @@ class StreamedTiedEmbedding:
         out = torch.zeros(flat.numel(), self.width, dtype=self.weight.ds_tensor.dtype, device=flat.device)
 
         def add_rows(first: int, block: torch.Tensor) -> None:
-            hits = ((flat >= first) & (flat < first + block.size(0))).nonzero().squeeze(1)
-            out.index_add_(0, hits, block[flat[hits] - first])
+            # Every token reads a row of the block (its own, or row 0 masked to zero) rather than
+            # only the tokens that fall in it: finding those (`nonzero`) reads the device, a host
+            # sync per chunk on a GPU.
+            local = flat - first
+            inside = (local >= 0) & (local < block.size(0))
+            out.add_(block[local.clamp_(0, block.size(0) - 1)].mul_(inside[:, None]))
 
         self._each_weight_block(add_rows)
         return out.view(*rows.shape, self.width)
