@@ -7,6 +7,10 @@ finite ends `mseq train` before it is logged or saved, so the last checkpoint st
     high; --clip-norm 0 does not clip (1.0 is usual); precision is fp32, so not a reduced-precision
     overflow                                                                          (exit code 3)
 
+The updates are checked when the log line reads them from the device (every --log-interval
+updates; a read per update would be a host sync per update on a GPU), and before any validation
+or save: a diverged update stops the run at the next of those, named by its own number.
+
 The perplexity counts: a run can diverge without a NaN (Adam's steps stay finite however large
 the learning rate), and 2 ** (bits per token) overflows only beyond 1024 bits per token, a mean
 probability of the right token below the smallest float64: no model that learns gets there.
