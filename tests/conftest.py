@@ -6,6 +6,10 @@ test would resume or refuse the demo's checkpoints, and any test could write int
 the user's home. Module-scoped fixtures run before a test's own fixtures, so the session gets one
 isolated directory and HOME first, then each test gets its own.
 
+A command run in-process (typer's runner) fills in a one-rank rendezvous (RANK, MASTER_PORT, ...)
+and opens a process group in the pytest process; both are undone after each test, or every later
+subprocess would inherit RANK=0 and that MASTER_PORT and fail to listen on a port this process holds.
+
 What must not move is pinned to its real location before HOME changes: DeepSpeed's JIT-built ops
 (`TORCH_EXTENSIONS_DIR`, 54-113 s to rebuild) and the user site-packages (where a `pip install
 --user` put this package for the subprocesses).
@@ -19,6 +23,8 @@ import pytest
 
 # Unset, they fall back to HOME: a caller's values could point into the real home.
 XDG_DIRS = ("XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_STATE_HOME")
+# What metaseq_ds.distributed.utils.prepare_environment sets for a process no launcher started.
+RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DS_ACCELERATOR")
 
 
 def _isolate(patch: pytest.MonkeyPatch, root: Path) -> None:
@@ -44,3 +50,14 @@ def _isolated_session(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _isolated_test(tmp_path_factory, monkeypatch):
     _isolate(monkeypatch, tmp_path_factory.mktemp("test_env"))
+    rendezvous = {name: os.environ.get(name) for name in RENDEZVOUS}
+    yield
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for name, value in rendezvous.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
