@@ -16,6 +16,18 @@ class Task(TinyTask):
     target_dictionary = TinyTask.dictionary
 
 
+V, C, N = 40, 8, 13  # vocabulary, width, tokens
+
+
+def problem(seed: int, pads):
+    """(N, C) features, a (V, C) weight and (N,) targets, padding at `pads`."""
+    generator = torch.Generator().manual_seed(seed)
+    features, weight = torch.randn(N, C, generator=generator), torch.randn(V, C, generator=generator)
+    target = torch.randint(0, V, (N,), generator=generator)
+    target[pads] = PAD
+    return features, weight, target
+
+
 def projected_then_cross_entropy(features, weight, target):
     losses = cross_entropy(features @ weight.t(), target, ignore_index=PAD)
     return losses.sum(), losses
@@ -23,12 +35,8 @@ def projected_then_cross_entropy(features, weight, target):
 
 @pytest.mark.parametrize("chunk_rows", [1, 3, 64])
 def test_linear_cross_entropy_equals_the_projection_then_cross_entropy(chunk_rows, monkeypatch):
-    V, C, N = 40, 8, 13
     monkeypatch.setattr(cross_entropy_module, "CHUNK_ELEMENTS", chunk_rows * V)
-    generator = torch.Generator().manual_seed(0)
-    features, weight = torch.randn(N, C, generator=generator), torch.randn(V, C, generator=generator)
-    target = torch.randint(0, V, (N,), generator=generator)
-    target[[2, 7]] = PAD
+    features, weight, target = problem(0, [2, 7])
     sums, grads = [], []
     for function in (linear_cross_entropy, projected_then_cross_entropy):
         x, w = features.clone().requires_grad_(), weight.clone().requires_grad_()
@@ -42,6 +50,29 @@ def test_linear_cross_entropy_equals_the_projection_then_cross_entropy(chunk_row
     torch.testing.assert_close(losses, expected_losses.detach(), atol=1e-6, rtol=1e-6)
     for mine, reference in zip(*grads):
         torch.testing.assert_close(mine, reference, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("block_rows,chunk_rows", [(40, 64), (7, 3), (1, 13)])
+def test_blockwise_cross_entropy_over_blocks_of_rows_equals_linear_cross_entropy(block_rows, chunk_rows, monkeypatch):
+    """W in blocks of `block_rows` rows (the streamed tied embedding's chunks), each block's logits
+    a chunk of `chunk_rows` rows at a time: the losses and gradients of the whole W's."""
+    monkeypatch.setattr(cross_entropy_module, "CHUNK_ELEMENTS", chunk_rows * block_rows)
+    features, weight, target = problem(1, [0, 9])
+    x, w = features.clone().requires_grad_(), weight.clone().requires_grad_()
+    expected, expected_losses = linear_cross_entropy(x, w, target, PAD)
+    expected.backward()
+    blocks = [(first, weight[first:first + block_rows]) for first in range(0, V, block_rows)]
+    loss_of = cross_entropy_module.BlockwiseCrossEntropy(features, target, PAD)
+    for first, block in blocks:
+        loss_of.add_block(first, block)
+    losses = loss_of.losses()
+    features_grad = torch.zeros(N, C)
+    weight_grad = torch.cat([loss_of.gradient_block(first, block, features_grad) for first, block in blocks])
+    assert losses[0] == losses[9] == 0
+    torch.testing.assert_close(losses, expected_losses, atol=1e-6, rtol=1e-6)
+    # 1e-6 of each gradient's largest element: 40 one-row blocks sum the features' in another order
+    for mine, reference in ((features_grad, x.grad), (weight_grad, w.grad)):
+        torch.testing.assert_close(mine, reference, atol=1e-6 * float(reference.abs().max()), rtol=0)
 
 
 def test_without_gradients_only_the_losses_are_made():

@@ -2,8 +2,9 @@
 embedding read a chunk at a time and whose gradient is added after the backward
 (`distributed.tied_embedding`), against plain autograd on one process. Rank 0 prints one JSON
 line `TIED {...}`: per case, the largest difference of any loss and of any full gradient (of an
-update's micro-batches, after an earlier update) from the reference, and the most elements of
-the tied weight any rank held gathered during its forwards."""
+update's micro-batches, after an earlier update) from the reference, the most elements of
+the tied weight any rank held gathered during its forwards, and whether the loss was fused
+(chunks of whole rows) or taken of the logits (chunks that cut rows)."""
 
 import copy
 import json
@@ -72,7 +73,7 @@ def zero3_grads(plain, criterion, micro_steps: int, rows: int, bf16: bool = Fals
     torch.distributed.all_gather_object(gathered, losses)
     all_losses = {key: value for part in gathered for key, value in part.items()}
     grads = {name: safe_get_full_grad(p).float() for name, p in engine.module.named_parameters()}
-    return grads, all_losses, held[0]
+    return grads, all_losses, held[0], decoder.fuses_output_loss()
 
 
 def main():
@@ -88,12 +89,14 @@ def main():
     for case, micro_steps, rows, (chunk, min_slice), bf16 in (
             ("one_row", 1, 1, whole, False), ("three_rows_small_chunks", 1, 3, (50, 1), False),
             ("three_rows_chunks_of_whole_rows", 1, 3, (64, 1), False),
-            ("one_row_2_micro_steps", 2, 1, (50, 1), False), ("bf16_three_rows_small_chunks", 1, 3, (50, 1), True)):
+            ("one_row_2_micro_steps", 2, 1, (50, 1), False), ("bf16_three_rows_small_chunks", 1, 3, (50, 1), True),
+            ("whole_rows_2_micro_steps", 2, 3, (64, 1), False), ("bf16_whole_rows", 1, 3, (64, 1), True)):
         tied_embedding.CHUNK_ELEMENTS, tied_embedding.MIN_SLICE_ELEMENTS = chunk, min_slice
         expected, expected_losses = reference_grads(plain, criterion, micro_steps, rows)
-        got, losses, held = zero3_grads(plain, criterion, micro_steps, rows, bf16)
+        got, losses, held, fused = zero3_grads(plain, criterion, micro_steps, rows, bf16)
         embedding = expected["decoder.embed_tokens.weight"]
-        report[case] = {"loss_worst": max(abs(losses[key] - value) for key, value in expected_losses.items()),
+        report[case] = {"fused": fused,
+                        "loss_worst": max(abs(losses[key] / value - 1) for key, value in expected_losses.items()),
                         "weight_held": held,
                         "worst": max(float((got[name] - grad).abs().max()) for name, grad in expected.items()),
                         "embedding_worst": float((got["decoder.embed_tokens.weight"] - embedding).abs().max()),

@@ -16,9 +16,10 @@ partitioned over the D = ranks / T data-parallel ranks. Bytes per rank:
   bytes a layer at 2 bytes an element, without the s^2 attention term (SDPA's fused kernels keep
   none), or one layer's input a layer with --checkpoint-activations; plus the loss: the logits
   (s*b*V/T) where they are made (ZeRO-3 streaming a tied embedding over several data-parallel
-  ranks), else what the fused projection and loss hold (one chunk of fp32 logits, the features'
-  gradient and the gradient of the projection's weight, or of its vocabulary shard under tensor
-  parallelism, made in the forward).
+  ranks under tensor parallelism), else what the fused projection and loss hold (one chunk of
+  fp32 logits, the features' gradient and the gradient of the projection's weight, or of its
+  vocabulary shard under tensor parallelism, or of this rank's ZeRO-3 partition of a streamed
+  tied embedding, made in the forward).
 
 DeepSpeed's own `estimate_zero3_model_states_mem_needs` is printed beside the ZeRO-3 figure (it
 assumes fp16 mixed precision: 18 bytes a parameter plus its largest layer in fp32).
@@ -84,7 +85,7 @@ def plan_memory(cfg, world_size: int) -> MemoryPlan:
         "gradients": share * element / (dp if stage >= 2 else 1),
         "optimizer": share * (8 + master) / (dp if stage >= 1 else 1),
         "activations": _activation_bytes(cfg, tp, element, len(model.decoder.layers))
-                       + _loss_bytes(cfg, model.decoder, tp, element, streamed_tie=stage == 3 and dp > 1),
+                       + _loss_bytes(cfg, model.decoder, tp, dp, element, streamed_tie=stage == 3 and dp > 1),
     }
     precision = "bf16" if cfg.common.bf16 else "fp16" if cfg.common.fp16 else "fp32"
     return MemoryPlan(world_size, tp, stage, precision, whole, share, largest, layer, per_rank)
@@ -100,7 +101,7 @@ def _activation_bytes(cfg, tp: int, element: int, layers: int) -> float:
     return kept
 
 
-def _loss_bytes(cfg, decoder, tp: int, element: int, streamed_tie: bool) -> float:
+def _loss_bytes(cfg, decoder, tp: int, dp: int, element: int, streamed_tie: bool) -> float:
     """The output projection and loss: see the module's docstring (`TransformerDecoder.output_loss`)."""
     from metaseq_ds.modules.cross_entropy import CHUNK_ELEMENTS
 
@@ -108,9 +109,13 @@ def _loss_bytes(cfg, decoder, tp: int, element: int, streamed_tie: bool) -> floa
     vocab /= tp  # a rank's shard
     tokens = cfg.task.tokens_per_sample * cfg.dataset.batch_size
     tied = decoder.output_projection.weight is decoder.embed_tokens.weight
+    chunk = min(CHUNK_ELEMENTS, tokens * vocab) * 4
     if tied and streamed_tie:
-        return tokens * vocab * element
-    return (min(CHUNK_ELEMENTS, tokens * vocab) * 4 + tokens * width * element + vocab * width * element)
+        if tp > 1:
+            return tokens * vocab * element
+        # the features' gradient in fp32, and W's in fp32 for this rank's partition
+        return chunk + tokens * width * 4 + vocab * width / dp * 4
+    return chunk + tokens * width * element + vocab * width * element
 
 
 def deepspeed_zero3_estimate(plan: MemoryPlan) -> float:

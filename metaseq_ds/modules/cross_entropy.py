@@ -224,6 +224,65 @@ def vocab_parallel_linear_cross_entropy(features: torch.Tensor, weight: torch.Te
     return _LinearCrossEntropy.apply(features, weight, target, ignore_index, _VocabularyShard(vocab_start, group))
 
 
+class BlockwiseCrossEntropy:
+    """The cross entropy of the logits `features @ Wᵀ` where W arrives a block of rows at a time,
+    twice, and is never whole (ZeRO-3's streamed tied embedding, `distributed.tied_embedding`):
+
+        loss_of = BlockwiseCrossEntropy(features, target, ignore_index)
+        for first, block in W's blocks: loss_of.add_block(first, block)      # pass 1: the loss
+        losses = loss_of.losses()
+        for first, block in W's blocks: w_grad = loss_of.gradient_block(first, block, features_grad)  # pass 2
+
+    Pass 1 keeps each row's log-normaliser over the blocks seen (their logsumexps combined) and its
+    target's logit; pass 2, the normalisers whole, makes each block's logits again and turns them
+    into their gradient, as `linear_cross_entropy` does a chunk of rows. A block's logits are made
+    a chunk of rows at a time (`CHUNK_ELEMENTS`). The same values and gradients as
+    `linear_cross_entropy` over the whole W, for a third more products: the logits twice."""
+
+    def __init__(self, features: torch.Tensor, target: torch.Tensor, ignore_index: int):
+        self.features = features  # (N, C)
+        self.target = target  # (N,)
+        self.keep, _ = _safe_targets(target, ignore_index)
+        self.log_normalizer = torch.full((features.size(0),), -torch.inf, dtype=torch.float32, device=features.device)
+        self.picked = torch.zeros(features.size(0), dtype=torch.float32, device=features.device)
+
+    def _chunks(self, first: int, block: torch.Tensor):
+        """Per chunk of rows: (rows, (n,) whether the block holds the row's target, (n, 1) its row
+        in the block, 0 where it holds none)."""
+        step = max(1, CHUNK_ELEMENTS // block.size(0))
+        for start in range(0, self.features.size(0), step):
+            rows = slice(start, start + step)
+            local = self.target[rows] - first
+            holds = self.keep[rows] & local.ge(0) & local.lt(block.size(0))
+            yield rows, holds, local.masked_fill(~holds, 0)[:, None]
+
+    def add_block(self, first: int, block: torch.Tensor) -> None:
+        """Pass 1, W's rows first .. first + len(block)."""
+        for rows, holds, local in self._chunks(first, block):
+            logits = product(self.features[rows], block)  # (n, v)
+            self.log_normalizer[rows] = torch.logaddexp(self.log_normalizer[rows], _log_normalizers(logits))
+            self.picked[rows] += logits.gather(1, local).squeeze(1).float().masked_fill_(~holds, 0.0)
+
+    def losses(self) -> torch.Tensor:
+        """(N,) fp32 losses once every block was added; 0 at pads."""
+        return (self.log_normalizer - self.picked).masked_fill_(~self.keep, 0.0)
+
+    def gradient_block(self, first: int, block: torch.Tensor, features_grad: torch.Tensor) -> torch.Tensor:
+        """Pass 2: the (v, C) fp32 gradient of the summed loss for W's rows first .. first + v, and
+        the block's part of the features' gradient added to `features_grad` ((N, C) fp32)."""
+        weight_grad = torch.zeros(block.shape, dtype=torch.float32, device=block.device)
+        scale = self.keep[:, None].float()
+        for rows, holds, local in self._chunks(first, block):
+            logits = product(self.features[rows], block)
+            _into_gradient_(logits, self.log_normalizer[rows], local, scale[rows], holds[:, None].float())
+            features_grad[rows] += product(logits, block.t())  # (n, v) @ (v, C)
+            if logits.dtype == weight_grad.dtype:
+                weight_grad.addmm_(logits.t(), self.features[rows])
+            else:  # summed in fp32, each product in the training dtype
+                weight_grad += torch.mm(logits.t(), self.features[rows])
+        return weight_grad
+
+
 class VocabularyProjection(Linear):
     """The decoder's output projection: a bias-free `Linear` onto the vocabulary (same parameter,
     name and state dict), which given targets returns the loss instead of the logits:
