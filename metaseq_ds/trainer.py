@@ -99,7 +99,8 @@ class Trainer:
         share_fp32_master_weights(self.engine)  # ZeRO in fp32: no second copy of the parameters
         lean_zero_step(self.engine)  # ZeRO's step: no transient copies of whole gradients
         # ZeRO-3 with a tied embedding: its weight read and its gradient made chunk by chunk
-        self.tied_embedding = stream_tied_embedding(self.engine)
+        # (and, where activations are recomputed, the loss's logits too)
+        self.tied_embedding = stream_tied_embedding(self.engine, cfg.distributed_training.checkpoint_activations)
         self.model = self.engine  # criterion(model, sample) runs the engine's forward
         self.lr_scheduler = build_lr_scheduler(cfg.lr_scheduler, self.optimizer)
         self.num_updates = 0

@@ -46,6 +46,30 @@ def test_activation_checkpointing_shrinks_the_activation_estimate():
     assert checkpointed.per_rank["activations"] < plain.per_rank["activations"] / 2
 
 
+def test_the_streamed_tied_embedding_keeps_its_logits_unless_activations_are_recomputed():
+    """ZeRO-3 on 8 ranks, OPT-1.3b's 8 x 2048 tokens in bf16: the logits (1.65 GB, a shard of them
+    under tensor parallelism) are counted where they are kept, the fused loss's gradients where
+    the loss is recomputed."""
+    import torch
+
+    from metaseq_ds import tasks
+    from metaseq_ds.distributed.memory_plan import _loss_bytes
+
+    opt_1_3b = ["/data", "--arch", "opt_1_3b", "--zero-stage", "3", "--bf16", "--final-vocab-size", "50272",
+                "--batch-size", "8", "--tokens-per-sample", "2048", "--share-decoder-input-output-embed"]
+    logits = 8 * 2048 * 50272 * 2
+    for flags, tp, expected in (([], 1, logits), (["--checkpoint-activations"], 2, logits / 2),
+                                (["--checkpoint-activations"], 1, None)):
+        cfg = parse_train_config(opt_1_3b + flags)
+        with torch.device("meta"):
+            decoder = tasks.setup_task(dataclasses.replace(cfg.task, data=None)).build_model(cfg.model).decoder
+        loss_bytes = _loss_bytes(cfg, decoder, tp, 8 // tp, 2, streamed_tie=True)
+        if expected is None:  # fused: a chunk, the features' gradient and W's partition's, in fp32
+            assert loss_bytes < logits / 4, loss_bytes
+        else:
+            assert loss_bytes == expected, (flags, tp)
+
+
 def test_zero3_model_states_agree_with_deepspeeds_estimate():
     cfg = parse_train_config(["/data", "--arch", "opt_1_3b", "--zero-stage", "3", "--bf16", "--final-vocab-size", "50272"])
     plan = plan_memory(cfg, 64)

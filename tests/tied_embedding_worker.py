@@ -42,13 +42,13 @@ def reference_grads(plain, criterion, micro_steps: int, rows: int):
     return {name: p.grad for name, p in model.named_parameters()}, losses
 
 
-def zero3_grads(plain, criterion, micro_steps: int, rows: int, bf16: bool = False):
+def zero3_grads(plain, criterion, micro_steps: int, rows: int, bf16: bool, recompute_loss: bool):
     config = {"train_micro_batch_size_per_gpu": rows, "gradient_accumulation_steps": micro_steps,
               "zero_optimization": {"stage": 3, "reduce_bucket_size": 500, "stage3_param_persistence_threshold": 0},
               "zero_allow_untested_optimizer": True, "bf16": {"enabled": bf16}}
     model = copy.deepcopy(plain)
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0), config=config)
-    tied = stream_tied_embedding(engine)
+    tied = stream_tied_embedding(engine, recompute_loss)
     decoder = engine.module.decoder
     held = [0]  # the most elements of W seen gathered in the forwards of its modules and the head's backward
 
@@ -86,14 +86,16 @@ def main():
     # of 64: one row of each rank's; "one_row" keeps the defaults, under which W's partitions are
     # small enough to come whole.
     whole = (tied_embedding.CHUNK_ELEMENTS, tied_embedding.MIN_SLICE_ELEMENTS)
+    # all but "whole_rows_logits_kept" recompute the loss (as under --checkpoint-activations)
     for case, micro_steps, rows, (chunk, min_slice), bf16 in (
             ("one_row", 1, 1, whole, False), ("three_rows_small_chunks", 1, 3, (50, 1), False),
-            ("three_rows_chunks_of_whole_rows", 1, 3, (64, 1), False),
+            ("three_rows_chunks_of_whole_rows", 1, 3, (64, 1), False), ("whole_rows_logits_kept", 1, 3, (64, 1), False),
             ("one_row_2_micro_steps", 2, 1, (50, 1), False), ("bf16_three_rows_small_chunks", 1, 3, (50, 1), True),
             ("whole_rows_2_micro_steps", 2, 3, (64, 1), False), ("bf16_whole_rows", 1, 3, (64, 1), True)):
         tied_embedding.CHUNK_ELEMENTS, tied_embedding.MIN_SLICE_ELEMENTS = chunk, min_slice
         expected, expected_losses = reference_grads(plain, criterion, micro_steps, rows)
-        got, losses, held, fused = zero3_grads(plain, criterion, micro_steps, rows, bf16)
+        got, losses, held, fused = zero3_grads(plain, criterion, micro_steps, rows, bf16,
+                                               recompute_loss=case != "whole_rows_logits_kept")
         embedding = expected["decoder.embed_tokens.weight"]
         report[case] = {"fused": fused,
                         "loss_worst": max(abs(losses[key] / value - 1) for key, value in expected_losses.items()),

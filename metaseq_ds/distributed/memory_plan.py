@@ -16,7 +16,7 @@ partitioned over the D = ranks / T data-parallel ranks. Bytes per rank:
   bytes a layer at 2 bytes an element, without the s^2 attention term (SDPA's fused kernels keep
   none), or one layer's input a layer with --checkpoint-activations; plus the loss: the logits
   (s*b*V/T) where they are made (ZeRO-3 streaming a tied embedding over several data-parallel
-  ranks under tensor parallelism), else what the fused projection and loss hold (one chunk of
+  ranks, unless activations are recomputed without tensor parallelism), else what the fused projection and loss hold (one chunk of
   fp32 logits, the features' gradient and the gradient of the projection's weight, or of its
   vocabulary shard under tensor parallelism, or of this rank's ZeRO-3 partition of a streamed
   tied embedding, made in the forward).
@@ -111,7 +111,7 @@ def _loss_bytes(cfg, decoder, tp: int, dp: int, element: int, streamed_tie: bool
     tied = decoder.output_projection.weight is decoder.embed_tokens.weight
     chunk = min(CHUNK_ELEMENTS, tokens * vocab) * 4
     if tied and streamed_tie:
-        if tp > 1:
+        if tp > 1 or not cfg.distributed_training.checkpoint_activations:
             return tokens * vocab * element
         # the features' gradient in fp32, and W's in fp32 for this rank's partition
         return chunk + tokens * width * 4 + vocab * width / dp * 4

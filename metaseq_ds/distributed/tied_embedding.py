@@ -1,7 +1,7 @@
 """Under ZeRO-3, a tied embedding's weight is never gathered whole, and its gradient is made after
 the backward, straight into its partitions.
 
-    tied = stream_tied_embedding(engine)  # after deepspeed.initialize; None when it does not apply
+    tied = stream_tied_embedding(engine, recompute_loss)  # after deepspeed.initialize; None when it does not apply
     engine.backward(loss)
     tied.add_to_gradient_partition(first_micro_step)  # after every backward, before engine.step()
 
@@ -23,13 +23,16 @@ tokens that fall in them; the projection computes each chunk's logits, and its b
 input gradient from each chunk. Rows a chunk holds only part of are zero-filled blocks whose
 parts add up across chunks.
 
-Given targets (the `cross_entropy` criterion, without tensor parallelism, chunks of whole rows),
+With activations recomputed (`--checkpoint-activations`: the user chose compute for memory),
+given targets (the `cross_entropy` criterion, without tensor parallelism, chunks of whole rows),
 the projection returns the loss instead of the logits: W's chunks are read twice, once for each
 row's log-normaliser over all of W and once to make each chunk's logits again and their gradient
 (`modules.cross_entropy.BlockwiseCrossEntropy`): the features' gradient, and W's, reduce-scattered
 a chunk at a time into a buffer of this rank's partition, added to the partition after the
-backward. A third more products than keeping the logits and their gradient (at OPT-1.3b's 8 x
-2048 tokens, 1.65 GB in bf16) from the forward to the end of the backward.
+backward. That is a third more of the output layer's products (+15% of a step's at the CPU
+benchmark's width 512, +5% at OPT-1.3b's) for not keeping the logits and their gradient (at
+OPT-1.3b's 8 x 2048 tokens, 1.65 GB in bf16) from the forward to the end of the backward; without
+recomputation the logits are kept, as the measured step is faster (benchmarks/RESULTS.md).
 
 Autograd never makes a gradient of W. The lookup runs without autograd and its output becomes a
 leaf whose gradient (tokens x width) is kept; the projection is an autograd function whose
@@ -60,10 +63,10 @@ CHUNK_ELEMENTS = 2**23
 MIN_SLICE_ELEMENTS = 2**20
 
 
-def stream_tied_embedding(engine) -> Optional["StreamedTiedEmbedding"]:
+def stream_tied_embedding(engine, recompute_loss: bool = False) -> Optional["StreamedTiedEmbedding"]:
     """Stream W and defer its gradient for `engine`'s model when it trains under ZeRO-3 on
     several data-parallel ranks with its token embedding tied to its output projection; None
-    otherwise (nothing changed)."""
+    otherwise (nothing changed). `recompute_loss`: the loss without the logits, W read twice."""
     if engine.zero_optimization_stage() != 3:
         return None
     if dist_utils.get_data_parallel_world_size() == 1:
@@ -80,12 +83,14 @@ def stream_tied_embedding(engine) -> Optional["StreamedTiedEmbedding"]:
     if isinstance(embedding, nn.Embedding):
         if embedding.max_norm is not None or embedding.scale_grad_by_freq or embedding.sparse:
             return None  # their gradients are not plain sums of rows
-        return StreamedTiedEmbedding(engine, embedding, head, vocab_start=0, padding_idx=embedding.padding_idx)
+        return StreamedTiedEmbedding(engine, embedding, head, vocab_start=0, padding_idx=embedding.padding_idx,
+                                     recompute_loss=recompute_loss)
     if hasattr(embedding, "vocab_start_index"):  # DeepSpeed's VocabParallelEmbedding: a vocabulary shard
         local_padding = embedding.padding_idx
         padding_idx = None if local_padding is None else local_padding + embedding.vocab_start_index
         return StreamedTiedEmbedding(engine, embedding, head, vocab_start=embedding.vocab_start_index,
-                                     padding_idx=padding_idx, scale=getattr(embedding, "embed_scale", None))
+                                     padding_idx=padding_idx, scale=getattr(embedding, "embed_scale", None),
+                                     recompute_loss=recompute_loss)
     return None
 
 
@@ -99,7 +104,7 @@ class StreamedTiedEmbedding:
     """W's lookup and projection a chunk at a time, and W's gradient made after the backward."""
 
     def __init__(self, engine, embedding: nn.Module, head: nn.Module, vocab_start: int, padding_idx: Optional[int],
-                 scale: Optional[torch.Tensor] = None):
+                 scale: Optional[torch.Tensor] = None, recompute_loss: bool = False):
         from metaseq_ds.modules.linear import linear
         from metaseq_ds.private_apis.deepspeed_optimizers import stop_zero3_gathering
         from metaseq_ds.private_apis.deepspeed_tensor_parallel import tp_forward_saving_the_parameter, tp_vocab_embedding_forward
@@ -121,7 +126,7 @@ class StreamedTiedEmbedding:
         self._loss_gradients: List[List[Optional[torch.Tensor]]] = []  # [W's partition gradient, loss gradient]
         if hasattr(head, "vocab_start_index"):  # DeepSpeed's VocabParallelLinear
             head.forward = tp_forward_saving_the_parameter(head, row_parallel=False, linear=linear, product=self._project)
-        elif self._blocks_hold_whole_rows():
+        elif recompute_loss and self._blocks_hold_whole_rows():
             head.forward = self._project_or_loss  # given targets, the loss without the logits
         else:
             head.forward = self._project

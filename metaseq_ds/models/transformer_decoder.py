@@ -341,10 +341,11 @@ class TransformerDecoder(BaseDecoder):
 
         Fused where the projection computes the loss itself (`fuses_output_loss`): no (B, T, V)
         logits, nor under tensor parallelism the (B, T, V/p) shard of them, nor under ZeRO-3's
-        streamed tied embedding. Otherwise (that embedding under tensor parallelism, or in chunks
-        of partial rows: `distributed.tied_embedding`) the projection makes the logits and the
-        loss is `cross_entropy` of them: whole logits,
-        which a tensor-parallel head gathers for the `cross_entropy` criterion
+        streamed tied embedding where activations are recomputed. Otherwise (that embedding
+        without recomputation, under tensor parallelism, or in chunks of partial rows:
+        `distributed.tied_embedding`) the projection makes the logits and the loss is
+        `cross_entropy` of them: whole logits, which a tensor-parallel head gathers for the
+        `cross_entropy` criterion
         (`vocab_parallel_cross_entropy` then reads the shards itself, not through here)."""
         if self.fuses_output_loss():
             return self.output_projection(features, target=target, ignore_index=self.padding_idx)
