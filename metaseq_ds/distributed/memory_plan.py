@@ -16,10 +16,10 @@ partitioned over the D = ranks / T data-parallel ranks. Bytes per rank:
   bytes a layer at 2 bytes an element, without the s^2 attention term (SDPA's fused kernels keep
   none), or one layer's input a layer with --checkpoint-activations; plus the loss: the logits
   (s*b*V/T) where they are made (ZeRO-3 streaming a tied embedding over several data-parallel
-  ranks, unless activations are recomputed without tensor parallelism), else what the fused projection and loss hold (one chunk of
-  fp32 logits, the features' gradient and the gradient of the projection's weight, or of its
-  vocabulary shard under tensor parallelism, or of this rank's ZeRO-3 partition of a streamed
-  tied embedding, made in the forward).
+  ranks, unless activations are recomputed without tensor parallelism), else what the fused
+  projection and loss hold (one chunk of fp32 logits, the features' gradient and the gradient of
+  the projection's weight, or of its vocabulary shard under tensor parallelism, or of this rank's
+  ZeRO-3 partition of a streamed tied embedding, made in the forward).
 
 DeepSpeed's own `estimate_zero3_model_states_mem_needs` is printed beside the ZeRO-3 figure (it
 assumes fp16 mixed precision: 18 bytes a parameter plus its largest layer in fp32).

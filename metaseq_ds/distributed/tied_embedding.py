@@ -123,7 +123,7 @@ class StreamedTiedEmbedding:
         else:
             embedding.forward = self.lookup
         embedding.register_forward_hook(self._embedding_as_leaf)
-        self._loss_gradients: List[List[Optional[torch.Tensor]]] = []  # [W's partition gradient, loss gradient]
+        self._loss_gradients: List[torch.Tensor] = []  # the fused loss's W gradients, this rank's partition
         if hasattr(head, "vocab_start_index"):  # DeepSpeed's VocabParallelLinear
             head.forward = tp_forward_saving_the_parameter(head, row_parallel=False, linear=linear, product=self._project)
         elif recompute_loss and self._blocks_hold_whole_rows():
@@ -149,11 +149,10 @@ class StreamedTiedEmbedding:
             return self._project(features)
         return _StreamedLinearCrossEntropy.apply(features.reshape(-1, self.width), target.reshape(-1), self, ignore_index)
 
-    def make_loss_gradient(self, loss_of, features_grad: torch.Tensor) -> None:
+    def make_loss_gradient(self, loss_of, features_grad: torch.Tensor) -> torch.Tensor:
         """Pass 2 of the fused loss: the features' gradient of the summed loss added to
-        `features_grad`, and W's, reduce-scattered a chunk at a time into a buffer of this rank's
-        partition, added to the partition after the backward times the loss's gradient
-        (`scale_loss_gradient`, `add_to_gradient_partition`). Every rank must call it."""
+        `features_grad`; W's returned, reduce-scattered a chunk at a time into a buffer of this
+        rank's partition (the backward scales it into `keep_loss_gradient`). Every rank must call it."""
         from deepspeed import comm as deepspeed_comm
 
         partition_grad = torch.zeros(self.weight.ds_tensor.numel(), dtype=torch.float32, device=features_grad.device)
@@ -167,11 +166,11 @@ class StreamedTiedEmbedding:
                 deepspeed_comm.reduce_scatter_fn(mine, grads.view(-1), group=self.group)
                 mine /= self.group_size
             partition_grad[offset:offset + length] = mine
-        self._loss_gradients.append([partition_grad, None])
+        return partition_grad
 
-    def scale_loss_gradient(self, grad_loss: torch.Tensor) -> None:
-        """The backward's gradient of the fused loss, by which W's gradient is multiplied."""
-        self._loss_gradients[-1][1] = grad_loss
+    def keep_loss_gradient(self, partition_grad: torch.Tensor) -> None:
+        """W's gradient from the fused loss's backward, added to the partition after the backward."""
+        self._loss_gradients.append(partition_grad)
 
     @torch.no_grad()
     def lookup(self, rows: torch.Tensor) -> torch.Tensor:
@@ -302,8 +301,7 @@ class StreamedTiedEmbedding:
         projected = [(features.reshape(-1, self.width), grad.reshape(-1, self.rows))
                      for features, grad in self._projected]
         rows, row_grads = self._embedded_rows(partition.device)
-        # The fused loss's W gradient, already summed over the group, times the loss's gradient.
-        loss_gradients = [(grad, scale) for grad, scale in self._loss_gradients if scale is not None]
+        loss_gradients = self._loss_gradients  # already summed over the group
         self._projected, self._embedded, self._loss_gradients = [], [], []
         for offset, length, ranges in self._chunks(partition.numel()):
             slices = torch.zeros(self.group_size, length, device=partition.device)
@@ -313,8 +311,8 @@ class StreamedTiedEmbedding:
             if self.group_size > 1:  # through DeepSpeed's backend: in place on gloo (gloo_collectives)
                 deepspeed_comm.reduce_scatter_fn(mine, slices.view(-1), group=self.group)
                 mine /= self.group_size
-            for grad, scale in loss_gradients:
-                mine.add_(grad[offset:offset + length] * scale)
+            for grad in loss_gradients:
+                mine.add_(grad[offset:offset + length])
             target = partition.narrow(0, offset, length)
             if first_micro_step:
                 target.copy_(mine)
@@ -384,17 +382,17 @@ class _StreamedLinearCrossEntropy(torch.autograd.Function):
         loss_of = BlockwiseCrossEntropy(features, target, ignore_index)
         tied._each_weight_block(loss_of.add_block)
         losses = loss_of.losses()
-        features_grad = None
+        features_grad = weight_grad = None
         if ctx.needs_input_grad[0]:
             features_grad = torch.zeros(features.shape, dtype=torch.float32, device=features.device)
-            tied.make_loss_gradient(loss_of, features_grad)
+            weight_grad = tied.make_loss_gradient(loss_of, features_grad)
         ctx.tied, ctx.dtype = tied, features.dtype
-        ctx.save_for_backward(features_grad)
+        ctx.save_for_backward(features_grad, weight_grad)
         ctx.mark_non_differentiable(losses)
         return losses.sum(), losses
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor, _grad_losses):
-        (features_grad,) = ctx.saved_tensors
-        ctx.tied.scale_loss_gradient(grad_loss)
+        features_grad, weight_grad = ctx.saved_tensors
+        ctx.tied.keep_loss_gradient(weight_grad.mul_(grad_loss))
         return (features_grad * grad_loss).to(ctx.dtype), None, None, None
