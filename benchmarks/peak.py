@@ -15,11 +15,11 @@ device's completion, and a 1 GiB device-to-device copy.
 import argparse
 import statistics
 import time
-from typing import Callable, Dict
+from typing import Callable, Dict, Tuple
 
 import torch
 
-from metaseq_ds.private_apis.torch_ops import onednn_linear
+from metaseq_ds.private_apis.torch_ops import cpu_has_bf16_matmul, onednn_linear
 
 SIZES = {"cpu": (1024, 2048, 4096), "cuda": (4096, 8192)}
 
@@ -66,10 +66,18 @@ def libraries(device: str = "cpu"):
     return ("torch.mm", "oneDNN") if device == "cpu" and torch.backends.mkldnn.is_available() else ("torch.mm",)
 
 
+def dtypes(device: str = "cpu") -> Tuple[str, ...]:
+    """The dtypes this device multiplies at speed: bf16 only where it has bf16 kernels (an AVX2
+    CPU has none: one 4096 x 4096 bf16 product takes minutes, and oneDNN refuses bf16)."""
+    return ("fp32", "bf16") if device == "cuda" or cpu_has_bf16_matmul() else ("fp32",)
+
+
 def measure(seconds: float, device: str = "cpu") -> Dict[str, object]:
-    """{("fp32", library): {size: GFLOP/s}, ..., "peak_fp32", "peak_bf16", "copy_GBps"} of `device`."""
-    result: Dict[str, object] = {}
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+    """{("fp32", library): {size: GFLOP/s}, ..., "peak_fp32", "peak_bf16", "copy_GBps"} of `device`
+    ("peak_bf16" None where the device has no bf16 kernels: `dtypes`)."""
+    result: Dict[str, object] = {"peak_bf16": None}
+    for name in dtypes(device):
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
         for library in libraries(device):
             result[name, library] = {size: matmul_gflops(size, dtype, library, seconds, device) for size in SIZES[device]}
         result[f"peak_{name}"] = max(max(result[name, library].values()) for library in libraries(device))
@@ -89,13 +97,14 @@ def main() -> None:
     where = torch.cuda.get_device_name() if args.device == "cuda" else f"{torch.get_num_threads()} threads"
     print(f"torch {torch.__version__}, {where}")
     print(f"{'matmul n x n @ n x n':<26}" + "".join(f"{f'n={n}':>10}" for n in SIZES[args.device]))
-    for name in ("fp32", "bf16"):
+    for name in dtypes(args.device):
         for library in libraries(args.device):
             label = f"{name} {library} GFLOP/s"
             print(f"{label:<26}" + "".join(f"{result[name, library][n]:>10.1f}" for n in SIZES[args.device]))
     print(f"{'copy GB/s (rd + wr)':<26}{result['copy_GBps']:>10.1f}")
-    print(f"summary: peak matmul fp32 {result['peak_fp32']:.1f} GFLOP/s, bf16 {result['peak_bf16']:.1f} GFLOP/s "
-          f"({result['peak_bf16'] / result['peak_fp32']:.1f}x), copy {result['copy_GBps']:.1f} GB/s")
+    bf16 = (f"bf16 {result['peak_bf16']:.1f} GFLOP/s ({result['peak_bf16'] / result['peak_fp32']:.1f}x)"
+            if result["peak_bf16"] else "bf16 not measured (this CPU has no bf16 matmul kernels)")
+    print(f"summary: peak matmul fp32 {result['peak_fp32']:.1f} GFLOP/s, {bf16}, copy {result['copy_GBps']:.1f} GB/s")
 
 
 if __name__ == "__main__":

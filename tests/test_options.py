@@ -9,6 +9,7 @@ from metaseq_ds.dataclass import MetaseqDataclass
 from metaseq_ds.distributed.deepspeed_config import build_deepspeed_config
 from metaseq_ds.errors import UsageError
 from metaseq_ds.options import TrainArgumentParser, config_from_dict, parse_train_config
+from metaseq_ds.private_apis import torch_ops
 
 DATA = ["/some/data"]
 
@@ -154,11 +155,21 @@ def test_deepspeed_config_is_derived_and_presets_override_only_what_they_set(tmp
         build_deepspeed_config(cfg, world_size=1, fp16_supported=False, overlaps_communication=False)
 
 
-def test_fp16_without_support_falls_back_to_bf16():
+@pytest.mark.parametrize("bf16_matmul", [True, False])
+def test_fp16_without_support_falls_back_to_bf16_where_the_cpu_multiplies_it(bf16_matmul):
     cfg = parse_train_config(DATA + ["--fp16"])
-    with pytest.warns(UserWarning, match="using bf16"):
-        ds = build_deepspeed_config(cfg, world_size=1, fp16_supported=False, overlaps_communication=False)
-    assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
+    with pytest.warns(UserWarning, match="using bf16" if bf16_matmul else "using fp32 .*no bf16 matmul kernels"):
+        ds = build_deepspeed_config(cfg, world_size=1, fp16_supported=False, overlaps_communication=False,
+                                    bf16_matmul=bf16_matmul)
+    assert ds["bf16"]["enabled"] == bf16_matmul and not ds["fp16"]["enabled"]
+
+
+def test_bf16_on_a_cpu_without_bf16_kernels_warns_and_keeps_bf16():
+    cfg = parse_train_config(DATA + ["--bf16"])
+    with pytest.warns(UserWarning, match="--bf16: this CPU has no bf16 matmul kernels.*leave out --bf16"):
+        ds = build_deepspeed_config(cfg, world_size=1, fp16_supported=False, overlaps_communication=False,
+                                    bf16_matmul=False)
+    assert ds["bf16"]["enabled"]
 
 
 def test_zero12_optimizer_groups_hold_about_one_layer_in_order():
@@ -190,4 +201,6 @@ def test_zero3_prefetches_the_next_layer_where_communication_overlaps():
     assert zero(True)["stage3_prefetch_bucket_size"] == layer and zero(True)["stage3_max_live_parameters"] == 2 * layer
     # A CPU: gloo computes on the same cores; one layer gathered at a time.
     assert zero(False)["stage3_prefetch_bucket_size"] == 0 and zero(False)["stage3_max_live_parameters"] == layer
-    assert accelerator_traits() == {"fp16_supported": False, "overlaps_communication": False}  # this CPU machine
+    traits = accelerator_traits()  # this CPU machine
+    assert (traits["fp16_supported"], traits["overlaps_communication"]) == (False, False)
+    assert traits["bf16_matmul"] == torch_ops.cpu_has_bf16_matmul()

@@ -97,6 +97,16 @@ def test_onednn_linear_equals_f_linear_for_plain_and_transposed_weights():
     torch.testing.assert_close(torch_ops.onednn_linear(x, stored_transposed), F.linear(x, weight), rtol=1e-5, atol=1e-5)
 
 
+def test_bf16_matmul_support_says_whether_onednn_runs_a_bf16_linear():
+    # Where torch says yes, oneDNN builds a bf16 linear; where it says no (an AVX2 CPU), it cannot.
+    x, weight = torch.randn(40, 24).bfloat16(), torch.randn(16, 24).bfloat16()
+    if torch_ops.cpu_has_bf16_matmul():
+        torch.testing.assert_close(torch_ops.onednn_linear(x, weight), F.linear(x, weight), rtol=2e-2, atol=2e-2)
+    else:
+        with pytest.raises(RuntimeError, match="primitive descriptor"):
+            torch_ops.onednn_linear(x, weight)
+
+
 def test_weights_only_allowed_globals_holds_torchs_tensor_rebuilders():
     allowed = torch_ops.weights_only_allowed_globals()
     assert allowed["torch._utils._rebuild_tensor_v2"] is torch._utils._rebuild_tensor_v2

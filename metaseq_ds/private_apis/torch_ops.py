@@ -31,3 +31,17 @@ def weights_only_allowed_globals() -> Dict[str, Any]:
     from torch import _weights_only_unpickler
 
     return dict(_weights_only_unpickler._get_allowed_globals())
+
+
+@relies_on("torch", "torch.ops.mkldnn._is_mkldnn_bf16_supported",
+           written_for="2.13", cuda=False,
+           why="whether this CPU multiplies bf16 at speed (AVX-512 or newer: oneDNN's bf16 kernels; on AVX2 "
+               "torch falls back to ~1-9 GFLOP/s, 8-60x below fp32); torch has no public query of it "
+               "(torch.backends.cpu.get_cpu_capability names the vector ISA, not oneDNN's bf16 support)",
+           test="tests/test_private_apis.py::test_bf16_matmul_support_says_whether_onednn_runs_a_bf16_linear")
+def cpu_has_bf16_matmul() -> bool:
+    """Whether oneDNN has bf16 matmul kernels for this CPU (native bf16 or AVX-512 conversion):
+    the test torch's own CPU tests use before they run bf16 products."""
+    import torch
+
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
