@@ -39,6 +39,7 @@ import torch
 from benchmarks import peak
 from benchmarks.train_worker import VOCAB, add_run_arguments, run_flags
 from benchmarks.zero_memory import estimated_bytes, exact_state_bytes
+from metaseq_ds.distributed.deepspeed_config import SLOW_BF16
 
 NAMES = {"ours": "metaseq_ds", "hf": "HF + DS", "hf_compiled": "HF compiled"}
 ROOT = Path(__file__).resolve().parent.parent
@@ -192,9 +193,10 @@ def main() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # for the workers and DeepSpeed's estimator here
     skipped = [dtype for dtype in args.dtypes if dtype not in peak.dtypes(device)]
     if skipped:
-        print(f"{', '.join(skipped)}: not run, this CPU has no bf16 matmul kernels (on AVX2, PyTorch multiplies bf16 "
-              f"8-60x slower than fp32, both sides alike)")
+        print(f"{', '.join(skipped)}: not run, {SLOW_BF16}, both sides alike")
         args.dtypes = [dtype for dtype in args.dtypes if dtype not in skipped]
+        if not args.dtypes:
+            sys.exit("nothing to run: ask for --dtypes fp32")
     start = time.perf_counter()
     before = peak.measure(seconds=1.0, device=device)
     rows = [((ranks, dtype), run_pair(ranks, dtype, args)) for ranks in args.ranks for dtype in args.dtypes]
