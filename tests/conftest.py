@@ -13,6 +13,10 @@ subprocess would inherit RANK=0 and that MASTER_PORT and fail to listen on a por
 What must not move is pinned to its real location before HOME changes: DeepSpeed's JIT-built ops
 (`TORCH_EXTENSIONS_DIR`, 54-113 s to rebuild) and the user site-packages (where a `pip install
 --user` put this package for the subprocesses).
+
+The suite runs in pytest-xdist workers (pyproject's `-n auto`): one a core, fewer where memory is
+short, each with its share of the cores for torch's threads, in this process and in the ones it
+starts, so that workers do not oversubscribe the CPU.
 """
 
 import os
@@ -25,6 +29,30 @@ import pytest
 XDG_DIRS = ("XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_STATE_HOME")
 # What metaseq_ds.distributed.utils.prepare_environment sets for a process no launcher started.
 RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DS_ACCELERATOR")
+
+
+# A worker's heaviest tests launch 4 ranks of a tiny model (~1 GiB each at their peak).
+MEMORY_PER_WORKER = 4 << 30
+
+
+def _cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(1, min(_cores(), memory // MEMORY_PER_WORKER))
+
+
+def pytest_configure(config):
+    workers = getattr(config, "workerinput", {}).get("workercount", 1)
+    if workers > 1:
+        import torch
+
+        # Set before any test runs: prepare_environment and torch in subprocesses read it.
+        threads = max(1, _cores() // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
 
 
 def _isolate(patch: pytest.MonkeyPatch, root: Path) -> None:

@@ -35,8 +35,21 @@ def test_each_test_and_its_subprocesses_get_an_empty_directory_and_home():
     assert not Path(os.environ["TORCH_EXTENSIONS_DIR"]).is_relative_to(home)
 
 
+def test_xdist_workers_share_the_cores_among_torch_threads_here_and_in_subprocesses(request):
+    import torch
+
+    workers = getattr(request.config, "workerinput", {}).get("workercount", 1)
+    if workers == 1:  # `-n 0`: torch's own choice, untouched
+        assert "OMP_NUM_THREADS" not in os.environ or torch.get_num_threads() == int(os.environ["OMP_NUM_THREADS"])
+        return
+    share = max(1, len(os.sched_getaffinity(0)) // workers)
+    seen = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+                          capture_output=True, text=True, check=True).stdout
+    assert torch.get_num_threads() == share and int(seen) == share
+
+
 def _pytest(cwd: Path, basetemp: Path, *options: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(REPO),
+    cmd = [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "--rootdir", str(REPO),
            "--basetemp", str(basetemp), *options, *(str(REPO / test) for test in USES_CWD_DEFAULTS)]
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=300)
 
