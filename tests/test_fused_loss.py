@@ -131,3 +131,23 @@ def test_off_the_cpu_the_softmax_works_a_chunk_at_a_time_not_a_cache_sized_block
     assert len(list(cross_entropy_module._row_blocks(torch.empty(rows, vocab, device="meta")))) == 25
     cpu_rows = cross_entropy_module.BLOCK_ELEMENTS // vocab
     assert [b.stop for b in cross_entropy_module._row_blocks(torch.empty(2 * cpu_rows, vocab))] == [cpu_rows, 2 * cpu_rows]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_blockwise_log_normalizers_and_gradient_equal_torchs_with_rows_of_minus_inf(monkeypatch, dtype):
+    """In several blocks of one reused fp32 buffer (the last one part full): as torch.logsumexp,
+    rows all -inf included, and the softmax gradient written over the logits."""
+    monkeypatch.setattr(cross_entropy_module, "BLOCK_ELEMENTS", 4 * V)
+    generator = torch.Generator().manual_seed(0)
+    logits = (torch.randn(N, V, generator=generator) * 5).to(dtype)
+    logits[3] = -torch.inf
+    logits[7, : V // 2] = -torch.inf
+    expected = torch.logsumexp(logits.float(), dim=1)
+    torch.testing.assert_close(cross_entropy_module._log_normalizers(logits), expected)
+
+    target = torch.randint(0, V, (N, 1), generator=generator)
+    keep = torch.ones(N, 1).index_fill_(0, torch.tensor([3]), 0.0)  # a row all -inf is a pad's
+    softmax = torch.softmax(logits.float(), dim=1).nan_to_num_(0.0)
+    gradient = (softmax * keep).scatter_add_(1, target, -keep)
+    cross_entropy_module._into_gradient_(logits, expected.masked_fill(keep.squeeze(1) == 0, 0.0), target, keep)
+    torch.testing.assert_close(logits.float(), gradient.to(dtype).float())

@@ -51,11 +51,24 @@ BLOCK_ELEMENTS = 1 << 21  # fp32 working block of 8 MiB on the CPU: fits its L3 
 CHUNK_ELEMENTS = 1 << 25
 
 
+def _block_rows(logits: torch.Tensor) -> int:
+    """Rows of about BLOCK_ELEMENTS elements (CHUNK_ELEMENTS off the CPU) of the (N, V) logits."""
+    return max(1, (BLOCK_ELEMENTS if logits.device.type == "cpu" else CHUNK_ELEMENTS) // logits.size(1))
+
+
 def _row_blocks(logits: torch.Tensor):
-    """Slices of consecutive rows of about BLOCK_ELEMENTS elements each (CHUNK_ELEMENTS off the CPU)."""
-    rows, vocab = logits.shape
-    step = max(1, (BLOCK_ELEMENTS if logits.device.type == "cpu" else CHUNK_ELEMENTS) // vocab)
-    return (slice(start, start + step) for start in range(0, rows, step))
+    """Slices of consecutive rows of `_block_rows` each."""
+    step = _block_rows(logits)
+    return (slice(start, start + step) for start in range(0, logits.size(0), step))
+
+
+def _work_buffer(logits: torch.Tensor) -> torch.Tensor:
+    """An fp32 block of the (N, V) logits' rows, for the softmax's temporaries: one buffer for all
+    the blocks. Fresh temporaries each block (torch.logsumexp's, an upcast of bf16 logits) cost
+    their page faults on the CPU, as a block is above glibc's mmap threshold (`host_memory`):
+    2.7x the time of the log-normalisers of fp32 logits, measured at (41, 50272)."""
+    return torch.empty(min(logits.size(0), _block_rows(logits)), logits.size(1), dtype=torch.float32,
+                       device=logits.device)
 
 
 def _safe_targets(target: torch.Tensor, ignore_index: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -64,27 +77,40 @@ def _safe_targets(target: torch.Tensor, ignore_index: int) -> Tuple[torch.Tensor
     return keep, target.masked_fill(~keep, 0)[:, None]
 
 
-def _log_normalizers(logits: torch.Tensor) -> torch.Tensor:
-    """(N,) fp32 logsumexp of each row of the (N, V) logits, a block of rows at a time."""
+def _log_normalizers(logits: torch.Tensor, work: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(N,) fp32 logsumexp of each row of the (N, V) logits, a block of rows at a time, computed as
+    torch.logsumexp does (rows all -inf give -inf) in `work` (a `_work_buffer`; None: a new one)."""
+    work = _work_buffer(logits) if work is None else work
     log_normalizer = torch.empty(logits.size(0), dtype=torch.float32, device=logits.device)
     for rows in _row_blocks(logits):
-        log_normalizer[rows] = torch.logsumexp(logits[rows].float(), dim=1)
+        block = logits[rows]
+        row_max = block.amax(1, keepdim=True).float()  # (n, 1)
+        row_max.masked_fill_(row_max.isinf(), 0.0)
+        shifted = torch.sub(block, row_max, out=work[: block.size(0)]).exp_()
+        log_normalizer[rows] = shifted.sum(1).log_().add_(row_max.squeeze(1))
     return log_normalizer
 
 
 def _into_gradient_(logits: torch.Tensor, log_normalizer: torch.Tensor, safe_target: torch.Tensor,
-                    scale: torch.Tensor, target_scale: Optional[torch.Tensor] = None) -> None:
+                    scale: torch.Tensor, target_scale: Optional[torch.Tensor] = None,
+                    work: Optional[torch.Tensor] = None) -> None:
     """Overwrite the (N, V) logits with d loss / d logits = softmax * scale - onehot(target) *
     target_scale ((N, 1) fp32 each; target_scale None: `scale`), recomputed in fp32 a block of
-    rows at a time. (A vocabulary shard subtracts the onehot only in the rows whose target it holds.)"""
+    rows at a time: in place for fp32 logits, else in `work` (a `_work_buffer`; None: a new one)
+    and rounded once into the logits. (A vocabulary shard subtracts the onehot only in the rows
+    whose target it holds.)"""
     target_scale = scale if target_scale is None else target_scale
+    upcast = logits.dtype != torch.float32
+    if upcast and work is None:
+        work = _work_buffer(logits)
     for rows in _row_blocks(logits):
         block = logits[rows]  # (n, V), a view into the logits
-        work = block.float()  # the view itself for fp32 logits, an fp32 copy otherwise
-        work.sub_(log_normalizer[rows, None]).exp_().mul_(scale[rows])
-        work.scatter_add_(1, safe_target[rows], -target_scale[rows])
-        if work.data_ptr() != block.data_ptr():
-            block.copy_(work)
+        normalizer = log_normalizer[rows, None]
+        gradient = torch.sub(block, normalizer, out=work[: block.size(0)]) if upcast else block.sub_(normalizer)
+        gradient.exp_().mul_(scale[rows])
+        gradient.scatter_add_(1, safe_target[rows], -target_scale[rows])
+        if upcast:
+            block.copy_(gradient)
 
 
 class _SoftmaxCrossEntropy(torch.autograd.Function):
@@ -144,13 +170,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         losses = torch.empty(features.size(0), dtype=torch.float32, device=features.device)  # (N,)
         features_grad = torch.empty_like(features) if want_features else None  # (N, C)
         weight_grad = None  # (V, C), from the first chunk on
+        work = None  # the softmax's fp32 temporaries, from the first chunk on
         # Shards are equal (`options` makes the vocabulary a multiple of the tensor-parallel
         # size), so every rank of a group cuts the same chunks and their collectives pair up.
         step = max(1, CHUNK_ELEMENTS // weight.size(0))
         for start in range(0, features.size(0), step):
             rows = slice(start, start + step)
             logits = product(features[rows], weight)  # (n, V)
-            log_normalizer = _log_normalizers(logits)
+            work = _work_buffer(logits) if work is None else work
+            log_normalizer = _log_normalizers(logits, work)
             picked = logits.gather(1, safe_target[rows]).squeeze(1).float()  # (n,) the target's logit
             if shard is not None:
                 log_normalizer, picked = shard.normalizers_and_picked(log_normalizer, picked.masked_fill_(~holds[rows], 0.0))
@@ -159,7 +187,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 continue
             # The gradient of the summed loss (pads count 0), over the chunk's logits.
             _into_gradient_(logits, log_normalizer, safe_target[rows], keep[rows, None].float(),
-                            holds[rows, None].float())
+                            holds[rows, None].float(), work)
             if want_features:
                 features_grad[rows] = product(logits, weight.t())  # (n, V) @ (V, C)
             if want_weight:
