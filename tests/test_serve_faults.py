@@ -123,6 +123,9 @@ def test_metrics_count_what_was_served_under_vllms_names(interface):
             assert status == 200
             for key in usage:
                 usage[key] += answer["usage"][key]
+        # The counters count before a response leaves; the gauges follow the decoding worker,
+        # which may end its turn just after the last response was sent, and must then fall to 0.
+        wait_until(lambda: _metrics(running.url)["mseq_requests_running"] == 0, timeout=30)
         samples = _metrics(running.url)
     for name in ("mseq_requests_running", "mseq_requests_waiting", "mseq_generation_tokens_total",
                  "mseq_prompt_tokens_total", "mseq_time_to_first_token_seconds_count",
