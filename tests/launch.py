@@ -70,7 +70,8 @@ def tiny_zero_step(engine, step: int) -> float:
 
     generator = torch.Generator().manual_seed(step)
     x, y = torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator)
-    loss = torch.nn.functional.mse_loss(engine(x.to(engine.module[0].weight.dtype)), y)
+    dtype = engine.module[0].weight.dtype  # both operands: torch 2.11's mse_loss backward fails on bf16 vs fp32
+    loss = torch.nn.functional.mse_loss(engine(x.to(dtype)), y.to(dtype))
     engine.backward(loss)
     engine.step()
     return loss.item()

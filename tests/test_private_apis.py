@@ -12,6 +12,7 @@ import inspect
 import json
 import subprocess
 import sys
+import warnings
 from importlib import metadata
 from pathlib import Path
 
@@ -64,20 +65,55 @@ def test_upstream_still_shows_each_behaviour_worked_around(reliance):
 def test_an_untested_version_stops_with_one_line_unless_allowed(monkeypatch):
     real_version = metadata.version
     monkeypatch.setattr(verified.metadata, "version", lambda name: "9.1.0" if name == "torch" else real_version(name))
+    monkeypatch.delenv(verified.ALLOW_UNTESTED, raising=False)
     verified.require_tested.cache_clear()
     try:
         with pytest.raises(UsageError, match=r"torch's private torch\.ops\.x, written for torch 2\.13\.x; "
                                              r"this is torch 9\.1\.0: .*METASEQ_DS_ALLOW_UNTESTED=1"):
             verified.require_tested("torch", "torch.ops.x", "2.13")
         verified.require_tested.cache_clear()
-        with pytest.raises(UsageError, match="torch.ops.mkldnn._linear_pointwise"):  # the gate sits on each shim
-            torch_ops.onednn_linear(torch.ones(1, 1), torch.ones(1, 1))
+        with pytest.raises(UsageError, match="_get_allowed_globals"):  # the gate sits on each shim
+            torch_ops.weights_only_allowed_globals()
         verified.require_tested.cache_clear()
         monkeypatch.setenv(verified.ALLOW_UNTESTED, "1")
         with pytest.warns(UserWarning, match="trying anyway"):
             verified.require_tested("torch", "torch.ops.x", "2.13")
     finally:
         verified.require_tested.cache_clear()
+
+
+def test_on_an_untested_version_a_speed_up_runs_its_public_fallback_warned_once(monkeypatch):
+    """oneDNN's linear and bf16 query have public equivalents: another torch (the GPU machine's is
+    2.11) trains on them instead of stopping; ALLOW_UNTESTED still tries the private API."""
+    real_version = metadata.version
+    monkeypatch.setattr(verified.metadata, "version", lambda name: "2.11.0" if name == "torch" else real_version(name))
+    monkeypatch.delenv(verified.ALLOW_UNTESTED, raising=False)
+    fallbacks = {r.name.rsplit(".", 1)[1]: r.fallback for r in RELIANCES if r.fallback}
+    assert fallbacks == {"onednn_linear": "F.linear (torch's public CPU linear: MKL, up to 2x slower than oneDNN on AMD CPUs)",
+                         "cpu_has_bf16_matmul": "torch's CPU capability being AVX-512 (its highest; oneDNN's bf16 "
+                                                "kernels need at least that)"}
+    x, weight = torch.randn(40, 24), torch.randn(16, 24)
+    verified.use_private.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match=r"_linear_pointwise, written for torch 2\.13\.x; this is torch 2\.11\.0: "
+                                             r"using F\.linear .* instead \(set METASEQ_DS_ALLOW_UNTESTED=1"):
+            assert torch.equal(torch_ops.onednn_linear(x, weight), F.linear(x, weight))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once a process
+            torch_ops.onednn_linear(x, weight)
+        with pytest.warns(UserWarning, match="using torch's CPU capability being AVX-512"):
+            assert torch_ops.cpu_has_bf16_matmul() == (torch.backends.cpu.get_cpu_capability() == "AVX512")
+        verified.use_private.cache_clear()
+        monkeypatch.setenv(verified.ALLOW_UNTESTED, "1")
+        with pytest.warns(UserWarning, match="trying anyway"):
+            assert torch_ops.onednn_linear(x, weight).shape == (40, 16)
+    finally:
+        verified.use_private.cache_clear()
+
+
+def test_the_bf16_fallback_agrees_with_onednn_here():
+    """The public guess (AVX-512) and oneDNN's own answer, on this machine."""
+    assert torch_ops._avx512_capability() == torch_ops.cpu_has_bf16_matmul()
 
 
 def test_installed_versions_are_the_ones_written_for():

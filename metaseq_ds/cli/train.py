@@ -61,6 +61,7 @@ def main(cfg) -> None:
     from metaseq_ds.distributed import utils as dist_utils
     from metaseq_ds.distributed.deepspeed_config import accelerator_traits, build_deepspeed_config
     from metaseq_ds.distributed.materialize import build_model
+    from metaseq_ds.distributed.parallelize import check_compile_layers
     from metaseq_ds.distributed.tensor_parallel import check_world, tensor_parallel_size
     from metaseq_ds.logging.progress_bar import StatsSink, setup_logging
     from metaseq_ds.optim import check_optimizer_kernels
@@ -85,6 +86,7 @@ def main(cfg) -> None:
     task = tasks.setup_task(cfg.task)
     criterion = task.build_criterion(cfg.criterion)
     ds_config = build_deepspeed_config(cfg, world_size, **accelerator_traits())
+    check_compile_layers(cfg.distributed_training.compile_layers, ds_config["zero_optimization"]["stage"])
     zero3_config = ds_config if ds_config["zero_optimization"]["stage"] == 3 else None
     model = build_model(cfg, task, criterion, lambda model: checkpoints.parameter_values(plan, model), zero3_config)
     n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3: before partitioning

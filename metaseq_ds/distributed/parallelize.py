@@ -62,6 +62,22 @@ def compile_layers(model: torch.nn.Module) -> None:
         layer.forward = torch.compile(layer.forward)
 
 
+# torch 2.11 trains layers compiled this way under ZeRO-3 to wrong losses (the tiny model of
+# tests/test_compile_layers.py: 0.3% off eager at the 3rd update, 1.2% at the 5th, and a graph
+# compiled for each layer); 2.12 trains as eager (a graph for each layer), 2.13 as eager in one graph.
+ZERO3_COMPILE_MIN_TORCH = (2, 12)
+
+
+def check_compile_layers(compile_layers: bool, zero_stage: int) -> None:
+    """Stop before any work where `--compile-layers` would train wrongly: under ZeRO-3 on a torch
+    older than ZERO3_COMPILE_MIN_TORCH."""
+    if compile_layers and zero_stage == 3 and torch.__version__ < ZERO3_COMPILE_MIN_TORCH:
+        minimum = ".".join(map(str, ZERO3_COMPILE_MIN_TORCH))
+        raise UsageError(f"--compile-layers under ZeRO-3 needs torch {minimum} or newer: torch {torch.__version__} "
+                         f"trains the compiled layers to losses unlike eager ones (measured); upgrade torch, "
+                         f"or train eager (leave out --compile-layers), or under ZeRO-0/1/2")
+
+
 def apply_activation_checkpointing(model: torch.nn.Module) -> None:
     """Recompute each decoder layer in the backward pass instead of keeping its activations.
 

@@ -5,8 +5,15 @@ from typing import Any, Dict
 from metaseq_ds.private_apis.verified import relies_on
 
 
+def _public_linear(x, weight, bias=None):
+    """F.linear (torch's public CPU linear: MKL, up to 2x slower than oneDNN on AMD CPUs)"""
+    import torch.nn.functional as F
+
+    return F.linear(x, weight, bias)
+
+
 @relies_on("torch", "torch.ops.mkldnn._linear_pointwise",
-           written_for="2.13", cuda=False,
+           written_for="2.13", cuda=False, fallback=_public_linear,
            why="oneDNN's linear, what inductor lowers nn.Linear to on the CPU, beats F.linear's CPU path "
                "(modules.linear); CPU tensors only; goes when torch makes a fused CPU linear public (related: "
                "https://github.com/pytorch/pytorch/pull/147360)",
@@ -33,8 +40,15 @@ def weights_only_allowed_globals() -> Dict[str, Any]:
     return dict(_weights_only_unpickler._get_allowed_globals())
 
 
+def _avx512_capability() -> bool:
+    """torch's CPU capability being AVX-512 (its highest; oneDNN's bf16 kernels need at least that)"""
+    import torch
+
+    return torch.backends.cpu.get_cpu_capability() == "AVX512"
+
+
 @relies_on("torch", "torch.ops.mkldnn._is_mkldnn_bf16_supported",
-           written_for="2.13", cuda=False,
+           written_for="2.13", cuda=False, fallback=_avx512_capability,
            why="whether this CPU multiplies bf16 at speed (AVX-512 or newer: oneDNN's bf16 kernels; on AVX2 "
                "torch falls back to ~1-9 GFLOP/s, 8-60x below fp32); torch has no public query of it "
                "(torch.backends.cpu.get_cpu_capability names the vector ISA, not oneDNN's bf16 support)",

@@ -4,7 +4,9 @@ Every use of a private DeepSpeed or torch API, and every patch of upstream behav
 function under `@relies_on(...)`, which records:
 - the package and what of it is relied on (a private name, or a behaviour worked around);
 - the version it was written for: a private API stops with one line naming it on any other
-  major.minor version (`METASEQ_DS_ALLOW_UNTESTED=1` tries anyway, with a warning);
+  major.minor version (`METASEQ_DS_ALLOW_UNTESTED=1` tries anyway, with a warning), unless it
+  has a public `fallback` doing the same more slowly, which then runs instead (warned once): a
+  speed-up must not stop a run on another torch (the GPU machine's is 2.11);
 - why, with the upstream issue where one exists: what would have to change upstream for the
   workaround to go;
 - whether it applies on CUDA (several exist for gloo, glibc or the CPU accelerator only);
@@ -21,7 +23,7 @@ import os
 import warnings
 from dataclasses import dataclass
 from importlib import metadata
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 from metaseq_ds.errors import UsageError
 
@@ -39,23 +41,29 @@ class Reliance:
     test: str  # "tests/FILE.py::TEST": fails when upstream changes what this relies on
     private: bool = True  # a private API (version-gated), else a public one worked around
     canaries: Tuple[Tuple[str, str], ...] = ()  # (upstream module, a line of its source that shows the behaviour)
+    fallback: str = ""  # what runs instead on an untested version (the fallback's first docstring line)
 
 
 RELIED_ON: Dict[str, Reliance] = {}
 
 
 def relies_on(package: str, what: str, *, written_for: str, cuda: bool, why: str, test: str,
-              private: bool = True, canaries: Tuple[Tuple[str, str], ...] = ()) -> Callable[[Callable], Callable]:
-    """Record a workaround (see the module docstring); a private API's version is checked at each call."""
+              private: bool = True, canaries: Tuple[Tuple[str, str], ...] = (),
+              fallback: Optional[Callable] = None) -> Callable[[Callable], Callable]:
+    """Record a workaround (see the module docstring); a private API's version is checked at each call.
+    `fallback`: a public function taking the same arguments, run instead on an untested version."""
+    instead = (fallback.__doc__ or fallback.__name__).strip().splitlines()[0] if fallback else ""
 
     def record(function: Callable) -> Callable:
         name = f"{function.__module__}.{function.__qualname__}"
-        RELIED_ON[name] = Reliance(name, package, what, written_for, cuda, why, test, private, canaries)
+        RELIED_ON[name] = Reliance(name, package, what, written_for, cuda, why, test, private, canaries, instead)
         if not private:
             return function
 
         @functools.wraps(function)
         def checked(*args, **kwargs):
+            if fallback is not None:
+                return (function if use_private(package, what, written_for, instead) else fallback)(*args, **kwargs)
             require_tested(package, what, written_for)
             return function(*args, **kwargs)
 
@@ -64,16 +72,37 @@ def relies_on(package: str, what: str, *, written_for: str, cuda: bool, why: str
     return record
 
 
+def _untested(package: str, api: str, written_for: str) -> Optional[str]:
+    """None on the major.minor version `api` was written for, else what is wrong, in words."""
+    version = metadata.version(package)
+    if ".".join(version.split(".")[:2]) == written_for:
+        return None
+    return (f"metaseq_ds relies on {package}'s private {api}, written for {package} {written_for}.x; "
+            f"this is {package} {version}")
+
+
 @functools.lru_cache(maxsize=None)
 def require_tested(package: str, api: str, written_for: str) -> None:
     """Stop with one line when `package` is not the major.minor version `api` was written for."""
-    version = metadata.version(package)
-    if ".".join(version.split(".")[:2]) == written_for:
+    message = _untested(package, api, written_for)
+    if message is None:
         return
-    message = (f"metaseq_ds relies on {package}'s private {api}, written for {package} {written_for}.x; "
-               f"this is {package} {version}")
     if os.environ.get(ALLOW_UNTESTED):
         warnings.warn(message + f" ({ALLOW_UNTESTED} is set: trying anyway)", stacklevel=4)
         return
     raise UsageError(f"{message}: install a verified version, or set {ALLOW_UNTESTED}=1 to try anyway")
+
+
+@functools.lru_cache(maxsize=None)
+def use_private(package: str, api: str, written_for: str, instead: str) -> bool:
+    """Whether to call the private `api` (its version, or ALLOW_UNTESTED set); else its public
+    fallback runs, `instead`, with one warning a process."""
+    message = _untested(package, api, written_for)
+    if message is None:
+        return True
+    if os.environ.get(ALLOW_UNTESTED):
+        warnings.warn(message + f" ({ALLOW_UNTESTED} is set: trying anyway)", stacklevel=4)
+        return True
+    warnings.warn(f"{message}: using {instead} instead (set {ALLOW_UNTESTED}=1 to try the private API)", stacklevel=4)
+    return False
 
