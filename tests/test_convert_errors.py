@@ -103,3 +103,26 @@ def test_import_metaseq_bad_input(case, expected, tmp_path):
 
         torch.save({**state, "extra_state": subprocess.Popen}, path)
     assert_clean_failure(invoke(["import", "metaseq", str(path), str(tmp_path / "out")]), tmp_path / "out", expected)
+
+
+def test_import_metaseq_on_an_untested_torch_names_the_private_api_not_the_file(tmp_path, monkeypatch):
+    """A checkpoint with a class outside torch's allow-list is read by our unpickler, built on a
+    private torch table: on another torch the gate's own line, not "cannot read (truncated ...)"."""
+    import subprocess
+    from importlib import metadata
+
+    from metaseq_ds.private_apis import verified
+
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"model": {}, "extra_state": subprocess.Popen}, path)
+    real_version = metadata.version
+    monkeypatch.setattr(verified.metadata, "version", lambda name: "2.11.0" if name == "torch" else real_version(name))
+    monkeypatch.delenv(verified.ALLOW_UNTESTED, raising=False)
+    verified.require_tested.cache_clear()
+    try:
+        result = invoke(["import", "metaseq", str(path), str(tmp_path / "out")])
+        assert_clean_failure(result, tmp_path / "out", "relies on torch's private torch._weights_only_unpickler."
+                             "_get_allowed_globals, written for torch 2.13.x; this is torch 2.11.0: install a verified version")
+        assert "cannot read" not in result.output
+    finally:
+        verified.require_tested.cache_clear()

@@ -122,9 +122,9 @@ def load_legacy_checkpoint(path: Path) -> Tuple[Any, List[str]]:
     except Exception as error:
         raise _unreadable(path, error) from None
     stand_ins: Set[str] = set()
+    pickle_module = _restricted_pickle_module(stand_ins)  # outside the try: its version gate's line stays its own
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap,
-                           pickle_module=_restricted_pickle_module(stand_ins))
+        state = torch.load(path, map_location="cpu", weights_only=False, mmap=mmap, pickle_module=pickle_module)
     except pickle.UnpicklingError as error:
         raise UsageError(f"{path}: {error}; refusing to load it") from None
     except Exception as error:
