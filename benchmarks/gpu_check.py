@@ -81,7 +81,8 @@ def demo(work: Path, logs: Path) -> str:
     updates = [int(n) for n in re.findall(r'"num_updates": (\d+)', text)]
     if not loss < entropy and not DEMO_FLAGS:  # a rehearsal's few updates learn less
         raise FlowFailed(f"valid loss {loss} bits/token is not below the entropy {entropy}")
-    return f"{max(updates or [0])} updates, valid loss {loss:.3f} < entropy {entropy:.3f} bits"
+    relation = "<" if loss < entropy else ">="  # >= only in a rehearsal
+    return f"{max(updates or [0])} updates, valid loss {loss:.3f} {relation} entropy {entropy:.3f} bits"
 
 
 def validate(work: Path, logs: Path) -> str:
