@@ -91,7 +91,9 @@ def test_opt_175b_on_1024_ranks_is_planned_without_allocating_the_model():
     # a layer's share, 12 * 12288**2 / 8 in bf16; two on a GPU (the next one prefetched)
     assert "gathers a layer at a time: 0.42 GiB on a CPU rank; on a GPU also the next one, prefetched during this one: 0.84 GiB" in out
     peak = int(out.split("PEAK_RSS ")[1])
-    assert peak < 2**30  # 175B parameters would be 350 GB in bf16: nothing was allocated
+    # 175B parameters would be 350 GB in bf16: nothing was allocated (the process peaked at 1.08 GB
+    # once, in a whole suite on torch 2.11's CUDA build, the GPU machine's; under 1 GiB on CI's)
+    assert peak < 2**31
     assert "Warning" not in result.stderr and "warn" not in result.stderr.lower()
 
 
