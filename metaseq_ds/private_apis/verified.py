@@ -72,37 +72,33 @@ def relies_on(package: str, what: str, *, written_for: str, cuda: bool, why: str
     return record
 
 
-def _untested(package: str, api: str, written_for: str) -> Optional[str]:
-    """None on the major.minor version `api` was written for, else what is wrong, in words."""
+def _refusal(package: str, api: str, written_for: str) -> Optional[str]:
+    """None where the private `api` may run: on the major.minor version it was written for, or,
+    warned, with ALLOW_UNTESTED set; else why not, in words."""
     version = metadata.version(package)
     if ".".join(version.split(".")[:2]) == written_for:
         return None
-    return (f"metaseq_ds relies on {package}'s private {api}, written for {package} {written_for}.x; "
-            f"this is {package} {version}")
+    message = (f"metaseq_ds relies on {package}'s private {api}, written for {package} {written_for}.x; "
+               f"this is {package} {version}")
+    if os.environ.get(ALLOW_UNTESTED):
+        warnings.warn(message + f" ({ALLOW_UNTESTED} is set: trying anyway)", stacklevel=5)
+        return None
+    return message
 
 
 @functools.lru_cache(maxsize=None)
 def require_tested(package: str, api: str, written_for: str) -> None:
     """Stop with one line when `package` is not the major.minor version `api` was written for."""
-    message = _untested(package, api, written_for)
-    if message is None:
-        return
-    if os.environ.get(ALLOW_UNTESTED):
-        warnings.warn(message + f" ({ALLOW_UNTESTED} is set: trying anyway)", stacklevel=4)
-        return
-    raise UsageError(f"{message}: install a verified version, or set {ALLOW_UNTESTED}=1 to try anyway")
+    message = _refusal(package, api, written_for)
+    if message is not None:
+        raise UsageError(f"{message}: install a verified version, or set {ALLOW_UNTESTED}=1 to try anyway")
 
 
 @functools.lru_cache(maxsize=None)
 def use_private(package: str, api: str, written_for: str, instead: str) -> bool:
-    """Whether to call the private `api` (its version, or ALLOW_UNTESTED set); else its public
-    fallback runs, `instead`, with one warning a process."""
-    message = _untested(package, api, written_for)
-    if message is None:
-        return True
-    if os.environ.get(ALLOW_UNTESTED):
-        warnings.warn(message + f" ({ALLOW_UNTESTED} is set: trying anyway)", stacklevel=4)
-        return True
-    warnings.warn(f"{message}: using {instead} instead (set {ALLOW_UNTESTED}=1 to try the private API)", stacklevel=4)
-    return False
-
+    """Whether to call the private `api`; where not, its public fallback runs, `instead`, with one
+    warning a process."""
+    message = _refusal(package, api, written_for)
+    if message is not None:
+        warnings.warn(f"{message}: using {instead} instead (set {ALLOW_UNTESTED}=1 to try the private API)", stacklevel=4)
+    return message is None
