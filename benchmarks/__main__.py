@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 DEFAULT = ("peak", "train", "generate", "migrate")
-OTHERS = ("cli_startup", "export_memory", "profile_train", "serve")
+OTHERS = ("cli_startup", "export_memory", "profile_train", "serve", "zero0_step")
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -46,9 +46,10 @@ def tree_digest(folder: Path) -> str:
     return digest.hexdigest()
 
 
-def tiny_zero_engine(zero: dict, gradient_clipping: float = 1.0, bf16: bool = False):
+def tiny_zero_engine(zero: dict, gradient_clipping: float = 1.0, bf16: bool = False, fused: bool = False):
     """A DeepSpeed engine on one rank (in a child process: it joins a process group) over a tiny
-    MLP (16 -> 64 -> 4, 1348 parameters, seeded) with AdamW, under the `zero` section given."""
+    MLP (16 -> 64 -> 4, 1348 parameters, seeded) with AdamW (`fused`: torch's fused kernel), under
+    the `zero` section given."""
     import deepspeed
     import torch
 
@@ -59,7 +60,7 @@ def tiny_zero_engine(zero: dict, gradient_clipping: float = 1.0, bf16: bool = Fa
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
     config = {"train_micro_batch_size_per_gpu": 8, "zero_optimization": zero, "zero_allow_untested_optimizer": True,
               "gradient_clipping": gradient_clipping, "bf16": {"enabled": bf16}}
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=fused)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine
 

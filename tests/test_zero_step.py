@@ -98,9 +98,95 @@ def test_lean_zero12_step_takes_the_same_norms_over_pieces(stage):
     assert all(ours - theirs == 12 for ours, theirs in zip(lean["norm_pieces"], plain["norm_pieces"]))
 
 
+def run_zero0_steps(lean: bool, dtype: str) -> dict:
+    """Five updates of ZeRO-0's fp16/bf16 optimizer wrapper (over torch's fused AdamW, which reads
+    nothing), the third with an inf in a gradient; per update: the loss, the device reads of the
+    step, whether it applied, the norm, the loss scale the gradients had; then the fp32 masters,
+    and whether the parameters hold them."""
+    import torch
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from metaseq_ds.distributed import utils as dist_utils
+    from metaseq_ds.optim.zero_step import lean_zero_step
+    from metaseq_ds.private_apis.deepspeed_optimizers import unfused_step_with_one_read
+
+    class DeviceReads(TorchDispatchMode):  # each one a host sync on a GPU
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func.overloadpacket is torch.ops.aten._local_scalar_dense
+            return func(*args, **(kwargs or {}))
+
+    if dtype == "bf16":  # through the engine, as the trainer builds it
+        engine = tiny_zero_engine({"stage": 0}, gradient_clipping=0.05, bf16=True, fused=True)
+        model, optimizer = engine.module, engine.optimizer
+        applied = lean and lean_zero_step(engine)
+        backward, step, was_applied = engine.backward, engine.step, engine.was_step_applied
+        norm_of_update = engine.get_global_grad_norm
+    else:  # DeepSpeed builds no fp16 engine on the CPU: its ZeRO-0 wrapper alone, with dynamic loss scaling
+        dist_utils.init_distributed()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4)).half()
+        base = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+        optimizer = FP16_UnfusedOptimizer(base, low_precision_dtype=torch.float16, dynamic_loss_scale=True,
+                                          dynamic_loss_args={"init_scale": 2.0**8, "scale_window": 2,
+                                                             "min_scale": 1.0}, clip_grad=0.05)
+        applied = lean and unfused_step_with_one_read(optimizer)
+        backward, step = optimizer.backward, optimizer.step
+        was_applied, norm_of_update = lambda: not optimizer.overflow, lambda: optimizer._global_grad_norm
+    updates = []
+    for update in range(5):
+        generator = torch.Generator().manual_seed(update)
+        x, y = torch.randn(8, 16, generator=generator), torch.randn(8, 4, generator=generator)
+        low = model[0].weight.dtype
+        loss = torch.nn.functional.mse_loss(model(x.to(low)), y.to(low))
+        backward(loss)
+        if update == 2:
+            model[2].weight.grad[0, 0] = float("inf")
+        scale = optimizer.loss_scale_config.cur_scale  # what the gradients were scaled by
+        with DeviceReads() as reads:
+            step()
+        updates.append([loss.item(), reads.count, bool(was_applied()), float(norm_of_update()), scale])
+        if dtype == "fp16":
+            optimizer.zero_grad()
+    masters = [master for group in optimizer.fp32_groups for master in group]
+    return {"applied": applied, "updates": updates, "masters": [master.flatten().tolist() for master in masters],
+            "in_params": all(torch.equal(p, m.to(p.dtype)) for p, m in zip(model.parameters(), masters))}
+
+
 if __name__ == "__main__":
-    stage, bf16 = int(sys.argv[1]), bool(int(sys.argv[2]))
-    print(json.dumps([run_steps(stage, lean=False, bf16=bf16), run_steps(stage, lean=True, bf16=bf16)]))
+    if sys.argv[1] == "zero0":
+        print(json.dumps([run_zero0_steps(lean, sys.argv[2]) for lean in (False, True)]))
+    else:
+        stage, bf16 = int(sys.argv[1]), bool(int(sys.argv[2]))
+        print(json.dumps([run_steps(stage, lean=False, bf16=bf16), run_steps(stage, lean=True, bf16=bf16)]))
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_lean_zero0_step_reads_the_device_once_and_trains_the_same(dtype):
+    """ZeRO-0's fp16/bf16 step (DeepSpeed's FP16_UnfusedOptimizer) read the device once a
+    parameter (4 here, ~390 at OPT-1.3b); the lean one reads it once, and steps the same: the
+    same losses and masters, an inf gradient skips the update (fp16: the loss scale falls), and
+    the clipping norm is the gradient's (fp16: DeepSpeed's was the loss-scaled one)."""
+    out = subprocess.run([sys.executable, __file__, "zero0", dtype], capture_output=True, text=True, env=env(),
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    plain, lean = json.loads(out.stdout.strip().splitlines()[-1])
+    assert lean["applied"] and not plain["applied"]
+    # DeepSpeed: a read per gradient (4) and 3 more; at the inf in the third gradient, 3 and 1
+    assert [u[1] for u in plain["updates"]] == [4 + 3, 4 + 3, 3 + 1, 4 + 3, 4 + 3]
+    assert [u[1] for u in lean["updates"]] == [1] * 5
+    assert [u[2] for u in lean["updates"]] == [u[2] for u in plain["updates"]]
+    assert not lean["updates"][2][2] and lean["updates"][3][2]  # the inf skipped its update only
+    assert [u[4] for u in lean["updates"]] == [u[4] for u in plain["updates"]]  # the loss scale
+    assert [u[0] for u in lean["updates"]] == pytest.approx([u[0] for u in plain["updates"]], rel=1e-3)
+    for ours, theirs in zip(lean["masters"], plain["masters"]):
+        assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-7)
+    scales = [u[4] for u in plain["updates"]]
+    applied_norms = [(u[3], t[3], scale) for u, t, scale in zip(lean["updates"], plain["updates"], scales) if u[2]]
+    assert all(ours == pytest.approx(theirs / scale, rel=1e-5) and ours > 0.05 for ours, theirs, scale in applied_norms)
+    assert lean["in_params"] and plain["in_params"]
 
 
 @pytest.mark.parametrize("device, pieces", [("cpu", 2**20), ("cuda", 2**24)])

@@ -240,3 +240,66 @@ def unfused_optimizer_construction_steps() -> int:
     """Steps the base optimizer of `FP16_UnfusedOptimizer` takes when it is built (one, on zero
     gradients, to create its state): its step count runs that far ahead of the updates."""
     return 1
+
+
+def _keep_deepspeeds_unfused_step(optimizer) -> bool:
+    """DeepSpeed's own ZeRO-0 fp16/bf16 step, left in place (a read of the device per parameter)"""
+    return False
+
+
+@relies_on("deepspeed", "FP16_UnfusedOptimizer's step and state (fp16_groups, fp32_groups, loss_scale_config, "
+           "_update_scale, _skip_invalid_grad_norm)",
+           written_for="0.19", cuda=True,
+           why="ZeRO-0's fp16/bf16 step asks each gradient in turn whether it holds an inf or NaN, a read of the "
+               "device each (CheckOverflow.has_overflow_serial), then takes each norm from a fresh fp32 copy: at "
+               "OPT-1.3b ~390 host syncs and ~5,000 kernels a step on a GPU; no upstream issue found; goes when "
+               "DeepSpeed decides overflow from one norm",
+           test="tests/test_zero_step.py::test_lean_zero0_step_reads_the_device_once_and_trains_the_same",
+           canaries=(("deepspeed.runtime.utils", "if p.grad is not None and self._has_inf_or_nan(p.grad.data, i):"),
+                     ("deepspeed.runtime.fp16.unfused_optimizer", "self.overflow = self.overflow_checker.check()")),
+           fallback=_keep_deepspeeds_unfused_step)
+def unfused_step_with_one_read(optimizer) -> bool:
+    """Make DeepSpeed's ZeRO-0 fp16/bf16 step (`FP16_UnfusedOptimizer.step`) read the device once:
+    the gradients, converted to fp32 and unscaled, give one norm (torch's multi-tensor norm), whose
+    finiteness is the one read and decides what DeepSpeed decided gradient by gradient (a skipped
+    step: loss scale lowered, gradients dropped) and from its norm (an infinite norm skips too);
+    clipping scales by that norm on the device. Same step otherwise: the base optimizer steps the
+    fp32 masters, which are copied into the parameters. The norm DeepSpeed reports is then a 0-dim
+    device tensor of the unscaled gradient (DeepSpeed's was the loss-scaled one in fp16, a number).
+    Returns whether the step was replaced: not for another wrapper, tensor or expert parallelism
+    (whose norms and overflow DeepSpeed reduces over their groups), an external loss scale or fused LAMB.
+    (Checked by tests/test_zero_step.py: the same masters and losses, overflow included, one read.)"""
+    import torch
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    if not isinstance(optimizer, FP16_UnfusedOptimizer):  # DeepSpeed's FusedAdam gets its flat FP16_Optimizer
+        return False
+    engine = optimizer.overflow_checker.deepspeed
+    if (optimizer.mpu is not None or optimizer.overflow_checker.has_moe_params or optimizer.custom_loss_scaler
+            or optimizer.fused_lamb_legacy or (engine is not None and engine.enable_backward_allreduce is False)):
+        return False  # DeepSpeed's overflow check then reduces over a group: its step stays
+
+    def step(closure=None):
+        params = [param for group in optimizer.fp16_groups for param in group]
+        masters = [master for group in optimizer.fp32_groups for master in group]
+        unscale = 1.0 / optimizer.loss_scale_config.cur_scale
+        for master, param in zip(masters, params):
+            master.grad = torch.zeros_like(master) if param.grad is None else param.grad.to(master.dtype)
+            if unscale != 1.0:
+                master.grad.mul_(unscale)
+        norm = torch.nn.utils.get_total_norm([master.grad for master in masters], norm_type=2.0)
+        if not torch.isfinite(norm):  # the step's one read of the device
+            return optimizer._skip_invalid_grad_norm()
+        optimizer.overflow = False
+        optimizer._global_grad_norm = norm
+        optimizer._update_scale(False)
+        if optimizer.clip_grad > 0:
+            torch.nn.utils.clip_grads_with_norm_(masters, optimizer.clip_grad, norm)
+        optimizer.optimizer.step()
+        for master, param in zip(masters, params):
+            master.grad = None
+            param.data.copy_(master.data)
+        return False
+
+    optimizer.step = step
+    return True
