@@ -1,6 +1,6 @@
 """Every user flow on a CUDA machine, then the GPU benchmarks (`benchmarks/gpu_check.sh` runs it).
 
-    python -m benchmarks.gpu_check [--budget 345] [--benchmarks "train ZeRO-0,generate"]
+    python -m benchmarks.gpu_check [--budget 345] [--benchmarks "train ZeRO-0,generate"] [--no-flows]
     python -m benchmarks.gpu_check --cpu-rehearsal      # the flows on the CPU, a short demo, no benchmarks
 
 Each flow runs as the user's commands, in a scratch directory, and is PASS or FAIL (with the
@@ -10,7 +10,8 @@ benchmark that would start after `--budget` seconds is SKIPPED, one that would r
 CUT, so the check ends in time. The last line is the summary: one verdict per flow, one figure
 line per benchmark. `--cpu-rehearsal` runs the same flows on a machine without CUDA (the demo
 cut to 40 updates, too few to beat the entropy), to try the check itself before spending GPU
-time on it.
+time on it. `--no-flows` runs the benchmarks alone: a second run, once the flows have passed,
+gives its whole budget to the benchmarks the first one left out.
 """
 
 import argparse
@@ -211,6 +212,7 @@ def main() -> None:
     parser.add_argument("--benchmarks", default=",".join(name for name, *_ in BENCHMARKS),
                         help="comma-separated, of: " + ", ".join(name for name, *_ in BENCHMARKS))
     parser.add_argument("--cpu-rehearsal", action="store_true", help="the flows on the CPU (40 demo updates), no benchmarks")
+    parser.add_argument("--no-flows", action="store_true", help="the benchmarks only (a second run, once the flows passed)")
     args = parser.parse_args()
     import torch
 
@@ -238,17 +240,18 @@ def main() -> None:
         print(f"PASS {name} ({elapsed() - started:.0f} s): {detail}", flush=True)
         return True
 
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        launches = [pool.submit(attempt, f"zero{stage}", lambda stage=stage: launcher(stage, gpus, work, logs))
-                    for stage in (1, 2, 3)]
-        if attempt("demo", lambda: demo(work, logs)):
-            after_demo = [pool.submit(attempt, name, lambda flow=flow: flow(work, logs))
-                          for name, flow in (("validate", validate), ("generate", generate), ("serve", serve),
-                                             ("export hf", export), ("resume", resume))]
-            for future in after_demo:
+    if not args.no_flows:
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            launches = [pool.submit(attempt, f"zero{stage}", lambda stage=stage: launcher(stage, gpus, work, logs))
+                        for stage in (1, 2, 3)]
+            if attempt("demo", lambda: demo(work, logs)):
+                after_demo = [pool.submit(attempt, name, lambda flow=flow: flow(work, logs))
+                              for name, flow in (("validate", validate), ("generate", generate), ("serve", serve),
+                                                 ("export hf", export), ("resume", resume))]
+                for future in after_demo:
+                    future.result()
+            for future in launches:
                 future.result()
-        for future in launches:
-            future.result()
     figures: List[str] = []
     chosen = [name.strip() for name in args.benchmarks.split(",") if name.strip()]
     for name, module, arguments, seconds in [entry for entry in BENCHMARKS if entry[0] in chosen]:
@@ -263,7 +266,7 @@ def main() -> None:
             figures.append(f"{name}: {'CUT (budget)' if seconds > left and 'timeout' in str(error) else 'FAIL'}")
             print(f"FAIL {name} ({elapsed() - started:.0f} s): {error}", flush=True)
     shutil.rmtree(work / "hf_export", ignore_errors=True)
-    flows = ", ".join(f"{name} {verdict}" for name, verdict in verdicts.items())
+    flows = ", ".join(f"{name} {verdict}" for name, verdict in verdicts.items()) or "not run (--no-flows)"
     print(f"gpu_check summary ({elapsed():.0f} s, logs in {logs}): flows: {flows}; " + " | ".join(figures), flush=True)
     sys.exit(0 if all(v == "PASS" for v in verdicts.values()) else 1)
 
