@@ -12,8 +12,20 @@ import subprocess
 import sys
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from launch import env, tiny_zero_engine, tiny_zero_step
+
+
+class DeviceReads(TorchDispatchMode):
+    """Counts the reads of the device made inside it (each a host sync on a GPU)."""
+
+    count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func.overloadpacket is torch.ops.aten._local_scalar_dense
+        return func(*args, **(kwargs or {}))
 
 
 def run_steps(stage: int, lean: bool, bf16: bool) -> dict:
@@ -24,7 +36,7 @@ def run_steps(stage: int, lean: bool, bf16: bool) -> dict:
     # three others; gradient buckets of 500 elements, which that weight's 1024 overfill; a
     # clipping norm the gradients exceed, so the norm scales every update
     zero_config = {"stage": stage, "sub_group_size": 500, "reduce_bucket_size": 500}
-    engine = tiny_zero_engine(zero_config, gradient_clipping=0.05, bf16=bf16)
+    engine = tiny_zero_engine(zero_config, gradient_clipping=0.05, bf16=bf16, fused=True)  # fused: no reads of its own
     zero = engine.optimizer
     grads_in_buffer, norm_pieces = [], []
     inner_step, norm = zero.optimizer.step, zero.get_grad_norm_direct
@@ -52,12 +64,20 @@ def run_steps(stage: int, lean: bool, bf16: bool) -> dict:
             bucket_left.append(max(bucket.elements for bucket in zero.ipg_buckets.values()))
 
         zero.reduce_independent_p_g_buckets_and_remove_grads = recording_add
+    engine_step, step_reads = engine.step, []
+
+    def counted_step(*args, **kwargs):
+        with DeviceReads() as reads:
+            engine_step(*args, **kwargs)
+        step_reads.append(reads.count)
+
+    engine.step = counted_step
     losses, norms = [], []
     for step in range(4):
         losses.append(tiny_zero_step(engine, step))
         norms.append(float(engine.get_global_grad_norm()))
     return {"applied": applied, "losses": losses, "norms": norms, "grads_in_buffer": grads_in_buffer,
-            "norm_pieces": norm_pieces, "bucket_left": bucket_left}
+            "norm_pieces": norm_pieces, "bucket_left": bucket_left, "step_reads": step_reads}
 
 
 def run_pair(stage: int, bf16: bool):
@@ -96,6 +116,8 @@ def test_lean_zero12_step_takes_the_same_norms_over_pieces(stage):
     # (and whatever alignment padding ZeRO-1/2 adds, in both)
     assert len(plain["norm_pieces"]) == len(lean["norm_pieces"]) == 4
     assert all(ours - theirs == 12 for ours, theirs in zip(lean["norm_pieces"], plain["norm_pieces"]))
+    # the step's check of the norm, then DeepSpeed's again for each optimizer group it clips (one here)
+    assert plain["step_reads"] == [2] * 4 and lean["step_reads"] == [1] * 4
 
 
 def run_zero0_steps(lean: bool, dtype: str) -> dict:
@@ -103,20 +125,11 @@ def run_zero0_steps(lean: bool, dtype: str) -> dict:
     nothing), the third with an inf in a gradient; per update: the loss, the device reads of the
     step, whether it applied, the norm, the loss scale the gradients had; then the fp32 masters,
     and whether the parameters hold them."""
-    import torch
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from metaseq_ds.distributed import utils as dist_utils
     from metaseq_ds.optim.zero_step import lean_zero_step
     from metaseq_ds.private_apis.deepspeed_optimizers import unfused_step_with_one_read
-
-    class DeviceReads(TorchDispatchMode):  # each one a host sync on a GPU
-        count = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.count += func.overloadpacket is torch.ops.aten._local_scalar_dense
-            return func(*args, **(kwargs or {}))
 
     if dtype == "bf16":  # through the engine, as the trainer builds it
         engine = tiny_zero_engine({"stage": 0}, gradient_clipping=0.05, bf16=True, fused=True)
@@ -209,6 +222,7 @@ def test_the_norm_pieces_are_cache_sized_on_the_cpu_and_few_on_a_gpu(device, pie
 
     chosen = []
     monkeypatch.setattr(deepspeed_optimizers, "zero_gradient_norms_in_pieces", lambda optimizer, n: chosen.append(n))
+    monkeypatch.setattr(deepspeed_optimizers, "zero12_clip_on_the_device", lambda optimizer: None)
     engine = Engine()
     engine.device = torch.device(device)
     assert lean_zero_step(engine) and chosen == [pieces]

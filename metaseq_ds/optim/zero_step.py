@@ -21,6 +21,10 @@ a bucket full only when the next gradient would not fit, so a gradient larger th
 (a layer's FFN matrices, unless tensor parallelism cuts them below d*d) stayed whole through the
 next module's backward. A full bucket is now reduced at once.
 
+ZeRO-1/2's step, having checked the global norm once, read its validity from the device again
+for each optimizer group it clipped (a host sync a group: ~26 an update at OPT-1.3b, in groups
+of about a layer); it now clips on the device.
+
 ZeRO-0 in bf16 or fp16 steps through DeepSpeed's `FP16_UnfusedOptimizer`, which asks each
 gradient in turn whether it holds an inf or NaN (a read of the device each: a host sync per
 parameter on a GPU, ~390 a step at OPT-1.3b) and takes each gradient's norm from another fp32
@@ -49,6 +53,8 @@ def lean_zero_step(engine, norm_chunk_elements: Optional[int] = None) -> bool:
     if norm_chunk_elements is None:
         norm_chunk_elements = NORM_CHUNK_ELEMENTS if engine.device.type == "cpu" else GPU_NORM_CHUNK_ELEMENTS
     zero.zero_gradient_norms_in_pieces(engine.optimizer, norm_chunk_elements)
+    if stage in (1, 2):
+        zero.zero12_clip_on_the_device(engine.optimizer)
     if stage == 3:
         zero.zero3_step_on_the_gradient_buffer(engine.optimizer)
         zero.zero3_reduce_full_buckets_at_once(engine.optimizer)

@@ -116,6 +116,36 @@ def zero_gradient_norms_in_pieces(zero_optimizer, piece_elements: int) -> None:
     zero_optimizer.get_grad_norm_direct = norm_of_pieces
 
 
+@relies_on("deepspeed", "DeepSpeedZeroOptimizer.unscale_and_clip_grads(grad_groups_flat, total_norm), loss_scale, "
+           "clip_grad", written_for="0.19", cuda=True,
+           why="ZeRO-1/2's step reads again, for each optimizer group it clips, whether the global norm it has "
+               "already checked is valid (is_invalid_grad_norm: a host sync a group, ~26 a step at OPT-1.3b in "
+               "groups of about a layer, each one stalling the GPU between groups); no upstream issue found",
+           test="tests/test_zero_step.py::test_lean_zero12_step_takes_the_same_norms_over_pieces",
+           canaries=(("deepspeed.runtime.zero.stage_1_and_2", "if is_invalid_grad_norm(clip_norm):"),))
+def zero12_clip_on_the_device(zero_optimizer) -> None:
+    """Make ZeRO-1/2's `unscale_and_clip_grads` decide on the device what it read from it: an
+    invalid norm (not finite, or DeepSpeed's negative sentinel) clips as an infinite one, by
+    `torch.where`, and the rest is DeepSpeed's arithmetic, op for op (the same scaled gradients).
+    (Checked by tests/test_zero_step.py: the same losses and norms, one read a step fewer a group.)"""
+    import torch
+
+    def unscale_and_clip_grads(grad_groups_flat, total_norm) -> None:
+        if zero_optimizer.clip_grad == 0.0 and zero_optimizer.loss_scale == 1.0:
+            return
+        combined_scale = zero_optimizer.loss_scale
+        if zero_optimizer.clip_grad > 0.0:
+            total_norm = torch.as_tensor(total_norm, dtype=torch.float, device=zero_optimizer.device)
+            clip_norm = torch.where(torch.isfinite(total_norm) & (total_norm >= 0), total_norm, float("inf"))
+            clip = ((clip_norm / zero_optimizer.loss_scale) + 1e-6) / zero_optimizer.clip_grad  # the norm is norm * scale
+            combined_scale = torch.clamp(clip, min=1.0) * zero_optimizer.loss_scale
+        for grad in grad_groups_flat:
+            for part in grad if isinstance(grad, list) else (grad,):
+                part.data.mul_(1.0 / combined_scale)
+
+    zero_optimizer.unscale_and_clip_grads = unscale_and_clip_grads
+
+
 @relies_on("deepspeed", "DeepSpeedZeroOptimizer_Stage3's ipg_buckets and __reduce_and_partition_ipg_grads",
            written_for="0.19", cuda=True,
            why="ZeRO-3 learns a bucket is full only when the next gradient would not fit, so a gradient larger than "
