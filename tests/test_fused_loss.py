@@ -151,3 +151,29 @@ def test_the_blockwise_log_normalizers_and_gradient_equal_torchs_with_rows_of_mi
     gradient = (softmax * keep).scatter_add_(1, target, -keep)
     cross_entropy_module._into_gradient_(logits, expected.masked_fill(keep.squeeze(1) == 0, 0.0), target, keep)
     torch.testing.assert_close(logits.float(), gradient.to(dtype).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_one_pass_normalizers_and_gradient_equal_the_two_passes(monkeypatch, dtype):
+    """The fused loss's one pass a block (the exponentials once, divided by their sum) gives the
+    log-normalisers and the gradient of the two passes (exponentials of x - logsumexp), over
+    several blocks of one reused buffer, rows all -inf (a pad's) and partly -inf included."""
+    monkeypatch.setattr(cross_entropy_module, "BLOCK_ELEMENTS", 4 * V)
+    generator = torch.Generator().manual_seed(1)
+    logits = (torch.randn(N, V, generator=generator) * 5).to(dtype)
+    logits[3] = -torch.inf
+    logits[7, : V // 2] = -torch.inf
+    target = torch.randint(0, V, (N, 1), generator=generator)
+    keep = torch.ones(N, 1).index_fill_(0, torch.tensor([3]), 0.0)
+
+    two_passes = logits.clone()
+    expected = cross_entropy_module._log_normalizers(two_passes)
+    cross_entropy_module._into_gradient_(two_passes, expected.masked_fill(keep.squeeze(1) == 0, 0.0), target, keep)
+    one_pass = logits.clone()
+    log_normalizer = cross_entropy_module._normalizers_and_gradient_(one_pass, target, keep)
+    torch.testing.assert_close(log_normalizer, expected, atol=1e-6, rtol=1e-6)
+    assert bool(one_pass[3].eq(0).all())  # the pad's row: no gradient, not 0/0
+    if dtype == torch.float32:
+        torch.testing.assert_close(one_pass, two_passes, atol=1e-7, rtol=1e-6)
+    else:  # each rounded once to bf16 from fp32 values equal within 1e-7: at most one bf16 step apart
+        assert bool(((one_pass.float() - two_passes.float()).abs() <= two_passes.float().abs() * 2**-7 + 1e-30).all())

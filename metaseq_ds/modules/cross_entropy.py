@@ -77,6 +77,23 @@ def _safe_targets(target: torch.Tensor, ignore_index: int) -> Tuple[torch.Tensor
     return keep, target.masked_fill(~keep, 0)[:, None]
 
 
+def _row_max(block: torch.Tensor) -> torch.Tensor:
+    """(n, 1) fp32 largest logit of each row of the (n, V) block, 0 where it is infinite (a row all
+    -inf then gives exp(-inf) = 0 throughout, not NaN)."""
+    row_max = block.amax(1, keepdim=True).float()
+    return row_max.masked_fill_(row_max.isinf(), 0.0)
+
+
+def _minus(block: torch.Tensor, column: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
+    """The (n, V) block minus the (n, 1) fp32 column, in fp32, in `work`'s first n rows. A bf16
+    block is upcast by an explicit copy: `torch.sub` into an fp32 `out` would upcast it into a
+    fresh temporary first (and pay its page faults on the CPU)."""
+    out = work[: block.size(0)]
+    if block.dtype == torch.float32:
+        return torch.sub(block, column, out=out)
+    return out.copy_(block).sub_(column)
+
+
 def _log_normalizers(logits: torch.Tensor, work: Optional[torch.Tensor] = None) -> torch.Tensor:
     """(N,) fp32 logsumexp of each row of the (N, V) logits, a block of rows at a time, computed as
     torch.logsumexp does (rows all -inf give -inf) in `work` (a `_work_buffer`; None: a new one)."""
@@ -84,10 +101,34 @@ def _log_normalizers(logits: torch.Tensor, work: Optional[torch.Tensor] = None) 
     log_normalizer = torch.empty(logits.size(0), dtype=torch.float32, device=logits.device)
     for rows in _row_blocks(logits):
         block = logits[rows]
-        row_max = block.amax(1, keepdim=True).float()  # (n, 1)
-        row_max.masked_fill_(row_max.isinf(), 0.0)
-        shifted = torch.sub(block, row_max, out=work[: block.size(0)]).exp_()
+        row_max = _row_max(block)
+        shifted = _minus(block, row_max, work).exp_()
         log_normalizer[rows] = shifted.sum(1).log_().add_(row_max.squeeze(1))
+    return log_normalizer
+
+
+def _normalizers_and_gradient_(logits: torch.Tensor, safe_target: torch.Tensor, scale: torch.Tensor,
+                               work: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`_log_normalizers(logits)`, and the logits overwritten as `_into_gradient_` does (with
+    `target_scale` = `scale`), in one pass over each block: the softmax is the block's
+    exp(x - max) divided by its sum, where the two apart take every exponential twice (and, for
+    bf16 logits, upcast every block twice). For a whole vocabulary: a shard's normalisers must
+    first be combined with the other shards'."""
+    upcast = logits.dtype != torch.float32
+    if upcast and work is None:
+        work = _work_buffer(logits)
+    log_normalizer = torch.empty(logits.size(0), dtype=torch.float32, device=logits.device)
+    tiny = torch.finfo(torch.float32).tiny
+    for rows in _row_blocks(logits):
+        block = logits[rows]  # (n, V), a view into the logits
+        row_max = _row_max(block)
+        shifted = (_minus(block, row_max, work) if upcast else block.sub_(row_max)).exp_()
+        sums = shifted.sum(1, keepdim=True)  # (n, 1), >= 1 unless the row is all -inf (then 0)
+        log_normalizer[rows] = sums.log().add_(row_max).squeeze(1)
+        gradient = shifted.mul_(scale[rows] / sums.clamp_min(tiny))  # an all -inf row: 0, not 0/0
+        gradient.scatter_add_(1, safe_target[rows], -scale[rows])
+        if upcast:
+            block.copy_(gradient)
     return log_normalizer
 
 
@@ -106,7 +147,7 @@ def _into_gradient_(logits: torch.Tensor, log_normalizer: torch.Tensor, safe_tar
     for rows in _row_blocks(logits):
         block = logits[rows]  # (n, V), a view into the logits
         normalizer = log_normalizer[rows, None]
-        gradient = torch.sub(block, normalizer, out=work[: block.size(0)]) if upcast else block.sub_(normalizer)
+        gradient = _minus(block, normalizer, work) if upcast else block.sub_(normalizer)
         gradient.exp_().mul_(scale[rows])
         gradient.scatter_add_(1, safe_target[rows], -target_scale[rows])
         if upcast:
@@ -178,16 +219,21 @@ class _LinearCrossEntropy(torch.autograd.Function):
             rows = slice(start, start + step)
             logits = product(features[rows], weight)  # (n, V)
             work = _work_buffer(logits) if work is None else work
-            log_normalizer = _log_normalizers(logits, work)
             picked = logits.gather(1, safe_target[rows]).squeeze(1).float()  # (n,) the target's logit
-            if shard is not None:
-                log_normalizer, picked = shard.normalizers_and_picked(log_normalizer, picked.masked_fill_(~holds[rows], 0.0))
-            losses[rows] = log_normalizer - picked
-            if not (want_features or want_weight):
-                continue
-            # The gradient of the summed loss (pads count 0), over the chunk's logits.
-            _into_gradient_(logits, log_normalizer, safe_target[rows], keep[rows, None].float(),
-                            holds[rows, None].float(), work)
+            want_gradient = want_features or want_weight
+            if shard is None and want_gradient:
+                # The loss and, over the chunk's logits, the gradient of the summed loss (pads count 0)
+                losses[rows] = _normalizers_and_gradient_(logits, safe_target[rows], keep[rows, None].float(), work) - picked
+            else:
+                log_normalizer = _log_normalizers(logits, work)
+                if shard is not None:
+                    log_normalizer, picked = shard.normalizers_and_picked(log_normalizer, picked.masked_fill_(~holds[rows], 0.0))
+                losses[rows] = log_normalizer - picked
+                if not want_gradient:
+                    continue
+                # The whole vocabulary's normalisers known: the gradient over the shard's logits.
+                _into_gradient_(logits, log_normalizer, safe_target[rows], keep[rows, None].float(),
+                                holds[rows, None].float(), work)
             if want_features:
                 features_grad[rows] = product(logits, weight.t())  # (n, V) @ (V, C)
             if want_weight:
