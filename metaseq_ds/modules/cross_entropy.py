@@ -85,11 +85,11 @@ def _row_max(block: torch.Tensor) -> torch.Tensor:
 
 
 def _minus(block: torch.Tensor, column: torch.Tensor, work: torch.Tensor) -> torch.Tensor:
-    """The (n, V) block minus the (n, 1) fp32 column, in fp32, in `work`'s first n rows. A bf16
-    block is upcast by an explicit copy: `torch.sub` into an fp32 `out` would upcast it into a
-    fresh temporary first (and pay its page faults on the CPU)."""
+    """The (n, V) block minus the (n, 1) fp32 column, in fp32, in `work`'s first n rows. On the
+    CPU a bf16 block is upcast by an explicit copy: `torch.sub` into an fp32 `out` there upcasts it
+    into a fresh temporary first, and pays its page faults (a GPU casts as it reads)."""
     out = work[: block.size(0)]
-    if block.dtype == torch.float32:
+    if block.dtype == torch.float32 or block.device.type != "cpu":
         return torch.sub(block, column, out=out)
     return out.copy_(block).sub_(column)
 
