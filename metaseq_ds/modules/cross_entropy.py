@@ -208,20 +208,27 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # them but pads, unless it is a vocabulary shard), at the target's row of the weight.
         holds, safe_target = (keep, safe_target) if shard is None else shard.targets(target, keep, weight.size(0))
         want_features, want_weight = ctx.needs_input_grad[:2]
+        want_gradient = want_features or want_weight
+        # The whole vocabulary's loss and gradient in one pass a block; a shard needs the group's
+        # normalisers before its gradient, so it takes two.
+        one_pass = shard is None and want_gradient
         losses = torch.empty(features.size(0), dtype=torch.float32, device=features.device)  # (N,)
         features_grad = torch.empty_like(features) if want_features else None  # (N, C)
         weight_grad = None  # (V, C), from the first chunk on
-        work = None  # the softmax's fp32 temporaries, from the first chunk on
+        # The softmax's fp32 temporaries, from the first chunk on; none for fp32 logits in one
+        # pass, which works in place.
+        work = None
+        wants_work = not (one_pass and weight.dtype == torch.float32)
         # Shards are equal (`options` makes the vocabulary a multiple of the tensor-parallel
         # size), so every rank of a group cuts the same chunks and their collectives pair up.
         step = max(1, CHUNK_ELEMENTS // weight.size(0))
         for start in range(0, features.size(0), step):
             rows = slice(start, start + step)
             logits = product(features[rows], weight)  # (n, V)
-            work = _work_buffer(logits) if work is None else work
+            if work is None and wants_work:
+                work = _work_buffer(logits)
             picked = logits.gather(1, safe_target[rows]).squeeze(1).float()  # (n,) the target's logit
-            want_gradient = want_features or want_weight
-            if shard is None and want_gradient:
+            if one_pass:
                 # The loss and, over the chunk's logits, the gradient of the summed loss (pads count 0)
                 losses[rows] = _normalizers_and_gradient_(logits, safe_target[rows], keep[rows, None].float(), work) - picked
             else:
@@ -231,7 +238,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 losses[rows] = log_normalizer - picked
                 if not want_gradient:
                     continue
-                # The whole vocabulary's normalisers known: the gradient over the shard's logits.
+                # The whole vocabulary's normalisers known: the gradient over the chunk's logits.
                 _into_gradient_(logits, log_normalizer, safe_target[rows], keep[rows, None].float(),
                                 holds[rows, None].float(), work)
             if want_features:
