@@ -189,7 +189,8 @@ BENCHMARKS = [  # (name, module, arguments, most seconds)
     ("zero0 step", "benchmarks.zero0_step", ["--device", "cuda", "--dtype", "bf16", *OPT_1_3B, "--ffn", "8192"], 90),
     ("train ZeRO-3", "benchmarks.train", ["--ranks", "1", "--dtypes", "bf16", *OPT_1_3B, "--ffn", "8192", "--seq", "2048",
                                           "--batch", "8", "--steps", "4", "--warmup", "1", "--zero-stage", "3"], 150),
-    # Whether a vocabulary padded to a multiple of 128 would speed the projection and loss (~15 s).
+    # Whether a vocabulary padded to a multiple of 128, or the weight gradient cut at 64 rows, would
+    # speed the projection and loss (~20 s).
     ("vocab padding", "benchmarks.vocab_padding", ["--device", "cuda", "--dtype", "bf16"], 60),
     # Both sides compiled layer by layer, and HF eager: the ratio is against the faster HF side.
     ("train compiled layers", "benchmarks.train", ["--ranks", "1", "--dtypes", "bf16", *OPT_1_3B, "--ffn", "8192",

@@ -8,6 +8,7 @@ import torch
 from metaseq_ds.criterions import CrossEntropyCriterionConfig, build_criterion
 from metaseq_ds.modules import cross_entropy as cross_entropy_module
 from metaseq_ds.modules.cross_entropy import VocabularyProjection, cross_entropy, linear_cross_entropy
+from metaseq_ds.modules.linear import ROW_TILES
 from test_hf_parity import PAD, TinyTask
 from test_model import tiny_model, tokens
 
@@ -33,9 +34,11 @@ def projected_then_cross_entropy(features, weight, target):
     return losses.sum(), losses
 
 
+@pytest.mark.parametrize("row_tile", [1, 16])  # 16: the weight's gradient made in rows 0-31 and 32-39
 @pytest.mark.parametrize("chunk_rows", [1, 3, 64])
-def test_linear_cross_entropy_equals_the_projection_then_cross_entropy(chunk_rows, monkeypatch):
+def test_linear_cross_entropy_equals_the_projection_then_cross_entropy(chunk_rows, row_tile, monkeypatch):
     monkeypatch.setattr(cross_entropy_module, "CHUNK_ELEMENTS", chunk_rows * V)
+    monkeypatch.setitem(ROW_TILES, ("cpu", torch.float32), row_tile)
     features, weight, target = problem(0, [2, 7])
     sums, grads = [], []
     for function in (linear_cross_entropy, projected_then_cross_entropy):
@@ -52,11 +55,14 @@ def test_linear_cross_entropy_equals_the_projection_then_cross_entropy(chunk_row
         torch.testing.assert_close(mine, reference, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("block_rows,chunk_rows", [(40, 64), (7, 3), (1, 13)])
-def test_blockwise_cross_entropy_over_blocks_of_rows_equals_linear_cross_entropy(block_rows, chunk_rows, monkeypatch):
+@pytest.mark.parametrize("block_rows,chunk_rows,row_tile", [(40, 64, 1), (40, 64, 16), (7, 3, 1), (1, 13, 1)])
+def test_blockwise_cross_entropy_over_blocks_of_rows_equals_linear_cross_entropy(block_rows, chunk_rows, row_tile,
+                                                                                  monkeypatch):
     """W in blocks of `block_rows` rows (the streamed tied embedding's chunks), each block's logits
-    a chunk of `chunk_rows` rows at a time: the losses and gradients of the whole W's."""
+    a chunk of `chunk_rows` rows at a time (a block's gradient in parts of rows with `row_tile`
+    16): the losses and gradients of the whole W's."""
     monkeypatch.setattr(cross_entropy_module, "CHUNK_ELEMENTS", chunk_rows * block_rows)
+    monkeypatch.setitem(ROW_TILES, ("cpu", torch.float32), row_tile)
     features, weight, target = problem(1, [0, 9])
     x, w = features.clone().requires_grad_(), weight.clone().requires_grad_()
     expected, expected_losses = linear_cross_entropy(x, w, target, PAD)

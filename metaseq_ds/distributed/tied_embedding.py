@@ -56,6 +56,7 @@ import torch
 from torch import nn
 
 from metaseq_ds.distributed import utils as dist_utils
+from metaseq_ds.modules.linear import transposed_product_
 
 # Elements of one chunk of W or of its gradient, all ranks' slices together (32 MB in fp32)...
 CHUNK_ELEMENTS = 2**23
@@ -340,11 +341,8 @@ class StreamedTiedEmbedding:
             return
         first, last = self._rows_of(start, end)
         block = torch.zeros(last - first, self.width, device=out.device)
-        for features, logits_grad in projected:
-            if features.dtype == block.dtype:
-                block.addmm_(logits_grad[:, first:last].t(), features)
-            else:  # summed in fp32, each product in the training dtype
-                block += torch.mm(logits_grad[:, first:last].t(), features)
+        for features, logits_grad in projected:  # summed in fp32, each product in the training dtype
+            transposed_product_(block, logits_grad[:, first:last], features)
         inside = (rows >= first) & (rows < last)
         block.index_add_(0, rows[inside] - first, row_grads[inside])
         out[: end - start] = block.view(-1)[start - first * self.width:end - first * self.width]

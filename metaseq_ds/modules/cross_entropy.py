@@ -41,7 +41,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from metaseq_ds.modules.linear import Linear, product
+from metaseq_ds.modules.linear import Linear, product, transposed_product_
 
 BLOCK_ELEMENTS = 1 << 21  # fp32 working block of 8 MiB on the CPU: fits its L3 with room to spare
 # Logits of one chunk of `linear_cross_entropy` (128 MiB in fp32): rows enough for efficient
@@ -245,9 +245,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 features_grad[rows] = product(logits, weight.t())  # (n, V) @ (V, C)
             if want_weight:
                 if weight_grad is None:
-                    weight_grad = torch.mm(logits.t(), features[rows])  # (V, n) @ (n, C)
-                else:
-                    weight_grad.addmm_(logits.t(), features[rows])
+                    weight_grad = torch.empty(weight.size(0), features.size(1), dtype=logits.dtype, device=logits.device)
+                transposed_product_(weight_grad, logits, features[rows], add=start > 0)  # (V, n) @ (n, C)
         if shard is not None and want_features:
             # Each shard's part of the features' gradient, summed once for all chunks (what the
             # column-parallel projection's backward all-reduces).
@@ -357,10 +356,8 @@ class BlockwiseCrossEntropy:
             logits = product(self.features[rows], block)
             _into_gradient_(logits, self.log_normalizer[rows], local, scale[rows], holds[:, None].float())
             features_grad[rows] += product(logits, block.t())  # (n, v) @ (v, C)
-            if logits.dtype == weight_grad.dtype:
-                weight_grad.addmm_(logits.t(), self.features[rows])
-            else:  # summed in fp32, each product in the training dtype
-                weight_grad += torch.mm(logits.t(), self.features[rows])
+            # Summed in fp32, each product in the training dtype
+            transposed_product_(weight_grad, logits, self.features[rows])
         return weight_grad
 
 

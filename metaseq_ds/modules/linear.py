@@ -13,6 +13,8 @@ small weight) keeps `F.linear`. Same parameters, names and state dict as `nn.Lin
 Results equal F.linear's up to fp32 summation order (~1e-6 relative).
 """
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -90,6 +92,41 @@ def lay_out_for_decoding(model: nn.Module) -> None:
         weight = module.weight
         if weight.device.type == "cpu" and weight.is_contiguous() and not hasattr(weight, "ds_id"):
             weight.data = weight.data.t().contiguous().t()
+
+
+# The multiple of rows a weight's gradient product is fastest at, by device type and dtype.
+# oneDNN's bf16 products on the CPU run 20-35% slower when the output's rows are not a multiple
+# of 64 (measured on an AVX-512 AMD EPYC at widths 512 and 2048), as a weight's gradient over
+# OPT's 50272 words is: its rows up to the last multiple of 64 and the rest, as two products, run
+# as fast as a vocabulary padded to 50304 would (3x for a 47-row chunk). Elsewhere no such
+# measurement was made (`benchmarks/vocab_padding.py` makes it), and products stay whole.
+ROW_TILES = {("cpu", torch.bfloat16): 64}
+
+
+def _row_parts(rows: int, operand: torch.Tensor, row_tile: Optional[int]):
+    """Slices of an output's `rows` that `transposed_product_` computes as separate products: all of
+    them at once unless `row_tile` (None: `ROW_TILES`' for `operand`) leaves a rest."""
+    if row_tile is None:
+        row_tile = ROW_TILES.get((operand.device.type, operand.dtype), 1)
+    tiled = rows - rows % row_tile
+    return [slice(0, rows)] if tiled in (0, rows) else [slice(0, tiled), slice(tiled, rows)]
+
+
+def transposed_product_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, add: bool = True,
+                        row_tile: Optional[int] = None) -> torch.Tensor:
+    """`out` (M, C) += (or, `add` False, =) a.t() @ b for (n, M) `a` and (n, C) `b`: a weight's
+    gradient from its output's gradient `a` and its input `b`. The product is in the operands'
+    dtype; an `out` of another dtype (fp32 sums of bf16 products) gets it added or copied. Computed
+    in parts of rows that the matmul runs at full speed (`_row_parts`); returns `out`."""
+    for rows in _row_parts(out.size(0), a, row_tile):
+        part = out[rows]
+        if part.dtype == a.dtype:
+            part.addmm_(a[:, rows].t(), b, beta=1 if add else 0)
+        elif add:
+            part += torch.mm(a[:, rows].t(), b)
+        else:
+            part.copy_(torch.mm(a[:, rows].t(), b))
+    return out
 
 
 def product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
