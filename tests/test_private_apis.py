@@ -85,7 +85,7 @@ def test_an_untested_version_stops_with_one_line_unless_allowed(monkeypatch):
 def test_on_an_untested_version_a_speed_up_runs_its_public_fallback_warned_once(monkeypatch):
     """oneDNN's linear and bf16 query have public equivalents: another torch (the GPU machine's is
     2.11) trains on them instead of stopping; ALLOW_UNTESTED still tries the private API. Another
-    DeepSpeed keeps its own ZeRO-0 fp16/bf16 step."""
+    DeepSpeed keeps its own ZeRO-0 fp16/bf16 step and all-reduce."""
     real_version = metadata.version
     faked = {"torch": "2.11.0", "deepspeed": "0.20.0"}
     monkeypatch.setattr(verified.metadata, "version", lambda name: faked.get(name) or real_version(name))
@@ -95,7 +95,9 @@ def test_on_an_untested_version_a_speed_up_runs_its_public_fallback_warned_once(
                          "cpu_has_bf16_matmul": "torch's CPU capability being AVX-512 (its highest; oneDNN's bf16 "
                                                 "kernels need at least that)",
                          "unfused_step_with_one_read": "DeepSpeed's own ZeRO-0 fp16/bf16 step, left in place (a read "
-                                                       "of the device per parameter)"}
+                                                       "of the device per parameter)",
+                         "skip_all_reduce_in_one_process": "DeepSpeed's all-reduce of the gradients after each backward, "
+                                                           "left in place (a copy of them all)"}
     x, weight = torch.randn(40, 24), torch.randn(16, 24)
     verified.use_private.cache_clear()
     try:
@@ -109,6 +111,8 @@ def test_on_an_untested_version_a_speed_up_runs_its_public_fallback_warned_once(
             assert torch_ops.cpu_has_bf16_matmul() == (torch.backends.cpu.get_cpu_capability() == "AVX512")
         with pytest.warns(UserWarning, match=r"this is deepspeed 0\.20\.0: using DeepSpeed's own ZeRO-0"):
             assert optimizers.unfused_step_with_one_read(object()) is False  # the optimizer left as it is
+        with pytest.warns(UserWarning, match=r"this is deepspeed 0\.20\.0: using DeepSpeed's all-reduce"):
+            assert optimizers.skip_all_reduce_in_one_process(object()) is False  # the engine left as it is
         verified.use_private.cache_clear()
         monkeypatch.setenv(verified.ALLOW_UNTESTED, "1")
         with pytest.warns(UserWarning, match="trying anyway"):

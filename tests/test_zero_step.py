@@ -168,9 +168,33 @@ def run_zero0_steps(lean: bool, dtype: str) -> dict:
             "in_params": all(torch.equal(p, m.to(p.dtype)) for p, m in zip(model.parameters(), masters))}
 
 
+def run_zero0_all_reduce(bf16: bool, keep_all_reduce: bool) -> dict:
+    """4 updates of a ZeRO-0 engine in one process after `lean_zero_step`, with DeepSpeed's
+    all-reduce after each backward put back where `keep_all_reduce`: whether the lean step skipped
+    it, how often it ran, the losses and the parameters."""
+    from metaseq_ds.optim.zero_step import lean_zero_step
+
+    engine = tiny_zero_engine({"stage": 0}, gradient_clipping=0.05, bf16=bf16, fused=True)
+    applied = lean_zero_step(engine)
+    skipped = engine.enable_backward_allreduce is False
+    engine.enable_backward_allreduce = engine.enable_backward_allreduce or keep_all_reduce
+    all_reduce, calls = engine.allreduce_gradients, []
+
+    def counted_all_reduce(*args, **kwargs):
+        calls.append(1)
+        return all_reduce(*args, **kwargs)
+
+    engine.allreduce_gradients = counted_all_reduce
+    losses = [tiny_zero_step(engine, step) for step in range(4)]
+    return {"applied": applied, "skipped": skipped, "all_reduces": len(calls), "losses": losses,
+            "params": [p.float().flatten().tolist() for p in engine.module.parameters()]}
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "zero0":
         print(json.dumps([run_zero0_steps(lean, sys.argv[2]) for lean in (False, True)]))
+    elif sys.argv[1] == "zero0-all-reduce":
+        print(json.dumps([run_zero0_all_reduce(sys.argv[2] == "bf16", keep) for keep in (True, False)]))
     else:
         stage, bf16 = int(sys.argv[1]), bool(int(sys.argv[2]))
         print(json.dumps([run_steps(stage, lean=False, bf16=bf16), run_steps(stage, lean=True, bf16=bf16)]))
@@ -226,3 +250,17 @@ def test_the_norm_pieces_are_cache_sized_on_the_cpu_and_few_on_a_gpu(device, pie
     engine = Engine()
     engine.device = torch.device(device)
     assert lean_zero_step(engine) and chosen == [pieces]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_zero0_in_one_process_skips_the_all_reduce_and_trains_the_same(dtype):
+    """ZeRO-0 all-reduced the gradients after each backward also in a one-process world (flattened
+    into new buckets, reduced over the one process, copied back): the lean step skips it, and the
+    losses and parameters are the same to the bit as with it."""
+    out = subprocess.run([sys.executable, __file__, "zero0-all-reduce", dtype], capture_output=True, text=True,
+                         env=env(), timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    kept, skipped = json.loads(out.stdout.strip().splitlines()[-1])
+    assert skipped["applied"] and skipped["skipped"] and skipped["all_reduces"] == 0
+    assert kept["all_reduces"] == 4
+    assert skipped["losses"] == kept["losses"] and skipped["params"] == kept["params"]

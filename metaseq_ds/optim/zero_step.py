@@ -29,7 +29,9 @@ ZeRO-0 in bf16 or fp16 steps through DeepSpeed's `FP16_UnfusedOptimizer`, which 
 gradient in turn whether it holds an inf or NaN (a read of the device each: a host sync per
 parameter on a GPU, ~390 a step at OPT-1.3b) and takes each gradient's norm from another fp32
 copy. Its step now reads the device once: one norm of the fp32 gradients decides overflow,
-and clipping scales by it on the device.
+and clipping scales by it on the device. And in a one-process world ZeRO-0's backward no longer
+all-reduces the gradients (flattened into new buckets, reduced over that one process and copied
+back: an identity at the cost of a copy of them all, 1-2% of the CPU benchmark's step).
 """
 
 from typing import Optional
@@ -40,14 +42,16 @@ GPU_NORM_CHUNK_ELEMENTS = 2**24
 
 def lean_zero_step(engine, norm_chunk_elements: Optional[int] = None) -> bool:
     """These changes where they apply: ZeRO-1/2/3 without optimizer offload (whose step reads
-    offloaded gradients another way), ZeRO-0 in bf16 or fp16; whether anything was changed.
+    offloaded gradients another way), ZeRO-0's step in bf16 or fp16 and its all-reduce in one
+    process; whether anything was changed.
     `norm_chunk_elements`: by default by the engine's device (see above)."""
     from metaseq_ds.private_apis import deepspeed_optimizers as zero
 
     stage = engine.zero_optimization_stage()
     if stage == 0:
         mixed_precision = engine.bfloat16_enabled() or engine.fp16_enabled()
-        return mixed_precision and zero.unfused_step_with_one_read(engine.optimizer)
+        one_read = mixed_precision and zero.unfused_step_with_one_read(engine.optimizer)
+        return zero.skip_all_reduce_in_one_process(engine) or one_read
     if engine.zero_cpu_offload():
         return False
     if norm_chunk_elements is None:
