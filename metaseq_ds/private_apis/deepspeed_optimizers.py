@@ -347,7 +347,8 @@ def _keep_deepspeeds_all_reduce(engine) -> bool:
                "process: it flattens them into new buckets of up to 5e8 elements, all-reduces those and copies "
                "them back (42 ms of a 3 s bf16 step of the CPU benchmark, 95 ms in fp32; a 1 GB transient and "
                "four passes over 2.6 GB at OPT-1.3b on one GPU); DeepSpeed turns it off only without a "
-               "communication backend; no upstream issue found",
+               "communication backend; no upstream issue found (the like for ZeRO-1/2's model-parallel all-reduce of "
+               "one: https://github.com/deepspeedai/DeepSpeed/pull/2494)",
            test="tests/test_zero_step.py::test_zero0_in_one_process_skips_the_all_reduce_and_trains_the_same",
            canaries=(("deepspeed.runtime.engine", "if self.enable_backward_allreduce and not self.inside_no_sync_ctxt:"),),
            fallback=_keep_deepspeeds_all_reduce)
