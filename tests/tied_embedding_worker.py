@@ -86,16 +86,17 @@ def main():
     # of 64: one row of each rank's; "one_row" keeps the defaults, under which W's partitions are
     # small enough to come whole.
     whole = (tied_embedding.CHUNK_ELEMENTS, tied_embedding.MIN_SLICE_ELEMENTS)
-    # all but "whole_rows_logits_kept" recompute the loss (as under --checkpoint-activations)
+    # all but the "..._logits_kept" ones recompute the loss (as under --checkpoint-activations)
     for case, micro_steps, rows, (chunk, min_slice), bf16 in (
             ("one_row", 1, 1, whole, False), ("three_rows_small_chunks", 1, 3, (50, 1), False),
             ("three_rows_chunks_of_whole_rows", 1, 3, (64, 1), False), ("whole_rows_logits_kept", 1, 3, (64, 1), False),
             ("one_row_2_micro_steps", 2, 1, (50, 1), False), ("bf16_three_rows_small_chunks", 1, 3, (50, 1), True),
-            ("whole_rows_2_micro_steps", 2, 3, (64, 1), False), ("bf16_whole_rows", 1, 3, (64, 1), True)):
+            ("whole_rows_2_micro_steps", 2, 3, (64, 1), False), ("bf16_whole_rows", 1, 3, (64, 1), True),
+            ("small_chunks_logits_kept", 1, 3, (50, 1), False), ("bf16_whole_rows_logits_kept", 1, 3, (64, 1), True)):
         tied_embedding.CHUNK_ELEMENTS, tied_embedding.MIN_SLICE_ELEMENTS = chunk, min_slice
         expected, expected_losses = reference_grads(plain, criterion, micro_steps, rows)
         got, losses, held, fused = zero3_grads(plain, criterion, micro_steps, rows, bf16,
-                                               recompute_loss=case != "whole_rows_logits_kept")
+                                               recompute_loss=not case.endswith("logits_kept"))
         embedding = expected["decoder.embed_tokens.weight"]
         report[case] = {"fused": fused,
                         "loss_worst": max(abs(losses[key] / value - 1) for key, value in expected_losses.items()),

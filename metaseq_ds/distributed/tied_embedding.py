@@ -191,9 +191,9 @@ class StreamedTiedEmbedding:
         return out.view(*rows.shape, self.width)
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
-        """(tokens, width) -> (tokens, rows): the logits of this shard, a chunk at a time."""
-        from metaseq_ds.modules.linear import linear
-
+        """(tokens, width) -> (tokens, rows): the logits of this shard, a chunk at a time, each
+        product written into its columns of the logits (a strided output, which the matmul takes as
+        it is: no chunk-sized temporary, which on the CPU also faults in fresh memory, to copy)."""
         # Blocks of whole rows (OPT's widths divide the partitions) write their columns once;
         # otherwise a row's parts add up. (Zeroing fresh logits costs as much as their product.)
         whole_rows = self._blocks_hold_whole_rows()
@@ -203,22 +203,24 @@ class StreamedTiedEmbedding:
         def put_logits(first: int, block: torch.Tensor) -> None:
             columns = logits[:, first:first + block.size(0)]
             if whole_rows:
-                columns.copy_(linear(features, block))
+                torch.mm(features, block.t(), out=columns)
             else:
-                columns += linear(features, block)
+                columns.addmm_(features, block.t())
 
         self._each_weight_block(put_logits)
         return logits
 
     def project_back(self, logits_grad: torch.Tensor) -> torch.Tensor:
         """(tokens, rows) -> (tokens, width): the gradient of the projection's input, a chunk at a
-        time (summed in fp32)."""
-        from metaseq_ds.modules.linear import linear
-
+        time (summed in fp32), each chunk's columns of `logits_grad` read where they are."""
         total = logits_grad.new_zeros(logits_grad.size(0), self.width, dtype=torch.float32)
 
         def add_product(first: int, block: torch.Tensor) -> None:
-            total.add_(linear(logits_grad[:, first:first + block.size(0)].contiguous(), block.t()))
+            columns = logits_grad[:, first:first + block.size(0)]  # (tokens, v) @ (v, width)
+            if block.dtype == total.dtype:
+                total.addmm_(columns, block)
+            else:
+                total.add_(torch.mm(columns, block))
 
         self._each_weight_block(add_product)
         return total.to(logits_grad.dtype)
