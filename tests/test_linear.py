@@ -6,8 +6,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from metaseq_ds.modules import Linear
-from metaseq_ds.modules.linear import (ONEDNN_MIN_ROWS, ONEDNN_MIN_WEIGHT, _row_parts, lay_out_for_decoding,
-                                       transposed_product_, uses_onednn)
+from metaseq_ds.modules.linear import (ONEDNN_MIN_ROWS, ONEDNN_MIN_WEIGHT, ROW_TILES, _row_parts,
+                                       lay_out_for_decoding, transposed_product_, uses_onednn)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="PyTorch built without oneDNN")
 
@@ -82,21 +82,23 @@ def test_lay_out_for_decoding_moves_weights_without_changing_them():
 @pytest.mark.parametrize("dtype, out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
                                               (torch.float32, torch.float32)])
 @pytest.mark.parametrize("rows", [100, 128, 40])
-def test_a_transposed_product_in_parts_of_rows_equals_the_whole_one(dtype, out_dtype, rows):
+def test_a_transposed_product_in_parts_of_rows_equals_the_whole_one(dtype, out_dtype, rows, monkeypatch):
+    monkeypatch.setitem(ROW_TILES, ("cpu", dtype), 64)
     generator = torch.Generator().manual_seed(0)
     a, b = (torch.randn(24, n, generator=generator).to(dtype) for n in (rows, 16))
     whole = torch.mm(a.t(), b).to(out_dtype)  # the operands' dtype, as the parts are
     out = torch.full((rows, 16), float("nan"), dtype=out_dtype)  # written, not read
-    assert transposed_product_(out, a, b, add=False, row_tile=64) is out
+    assert transposed_product_(out, a, b, add=False) is out
     torch.testing.assert_close(out, whole)
-    transposed_product_(out, a, b, row_tile=64)
+    transposed_product_(out, a, b)
     torch.testing.assert_close(out, 2 * whole)
 
 
-def test_only_bf16_cpu_products_are_cut_at_a_multiple_of_64_rows():
+def test_only_bf16_cpu_products_are_cut_at_a_multiple_of_64_rows(monkeypatch):
     bf16, fp32 = torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1)
-    assert _row_parts(50272, bf16, None) == [slice(0, 50240), slice(50240, 50272)]  # OPT's vocabulary
-    assert _row_parts(50304, bf16, None) == [slice(0, 50304)]
-    assert _row_parts(40, bf16, None) == [slice(0, 40)]  # fewer rows than a tile: one product
-    assert _row_parts(50272, fp32, None) == [slice(0, 50272)]
-    assert _row_parts(50272, fp32, 64) == [slice(0, 50240), slice(50240, 50272)]
+    assert _row_parts(50272, bf16) == [slice(0, 50240), slice(50240, 50272)]  # OPT's vocabulary
+    assert _row_parts(50304, bf16) == [slice(0, 50304)]
+    assert _row_parts(40, bf16) == [slice(0, 40)]  # fewer rows than a tile: one product
+    assert _row_parts(50272, fp32) == [slice(0, 50272)]
+    monkeypatch.setitem(ROW_TILES, ("cpu", torch.float32), 64)
+    assert _row_parts(50272, fp32) == [slice(0, 50240), slice(50240, 50272)]

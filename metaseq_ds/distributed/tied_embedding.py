@@ -217,10 +217,7 @@ class StreamedTiedEmbedding:
 
         def add_product(first: int, block: torch.Tensor) -> None:
             columns = logits_grad[:, first:first + block.size(0)]  # (tokens, v) @ (v, width)
-            if block.dtype == total.dtype:
-                total.addmm_(columns, block)
-            else:
-                total.add_(torch.mm(columns, block))
+            transposed_product_(total, columns.t(), block)
 
         self._each_weight_block(add_product)
         return total.to(logits_grad.dtype)

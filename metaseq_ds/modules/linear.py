@@ -13,8 +13,6 @@ small weight) keeps `F.linear`. Same parameters, names and state dict as `nn.Lin
 Results equal F.linear's up to fp32 summation order (~1e-6 relative).
 """
 
-from typing import Optional
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -103,22 +101,20 @@ def lay_out_for_decoding(model: nn.Module) -> None:
 ROW_TILES = {("cpu", torch.bfloat16): 64}
 
 
-def _row_parts(rows: int, operand: torch.Tensor, row_tile: Optional[int]):
+def _row_parts(rows: int, operand: torch.Tensor):
     """Slices of an output's `rows` that `transposed_product_` computes as separate products: all of
-    them at once unless `row_tile` (None: `ROW_TILES`' for `operand`) leaves a rest."""
-    if row_tile is None:
-        row_tile = ROW_TILES.get((operand.device.type, operand.dtype), 1)
+    them at once unless `ROW_TILES`' tile for `operand` leaves a rest."""
+    row_tile = ROW_TILES.get((operand.device.type, operand.dtype), 1)
     tiled = rows - rows % row_tile
     return [slice(0, rows)] if tiled in (0, rows) else [slice(0, tiled), slice(tiled, rows)]
 
 
-def transposed_product_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, add: bool = True,
-                        row_tile: Optional[int] = None) -> torch.Tensor:
-    """`out` (M, C) += (or, `add` False, =) a.t() @ b for (n, M) `a` and (n, C) `b`: a weight's
-    gradient from its output's gradient `a` and its input `b`. The product is in the operands'
-    dtype; an `out` of another dtype (fp32 sums of bf16 products) gets it added or copied. Computed
-    in parts of rows that the matmul runs at full speed (`_row_parts`); returns `out`."""
-    for rows in _row_parts(out.size(0), a, row_tile):
+def transposed_product_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, add: bool = True) -> torch.Tensor:
+    """`out` (M, C) += (or, `add` False, =) a.t() @ b for (n, M) `a` and (n, C) `b` (such as a
+    weight's gradient from its output's gradient `a` and its input `b`). The product is in the
+    operands' dtype; an `out` of another dtype (fp32 sums of bf16 products) gets it added or copied.
+    Computed in parts of rows that the matmul runs at full speed (`_row_parts`); returns `out`."""
+    for rows in _row_parts(out.size(0), a):
         part = out[rows]
         if part.dtype == a.dtype:
             part.addmm_(a[:, rows].t(), b, beta=1 if add else 0)
