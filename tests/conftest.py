@@ -28,7 +28,8 @@ import pytest
 # Unset, they fall back to HOME: a caller's values could point into the real home.
 XDG_DIRS = ("XDG_CACHE_HOME", "XDG_CONFIG_HOME", "XDG_DATA_HOME", "XDG_STATE_HOME")
 # What metaseq_ds.distributed.utils.prepare_environment sets for a process no launcher started.
-RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DS_ACCELERATOR")
+RENDEZVOUS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
+              "DS_ACCELERATOR")
 
 
 # A worker's heaviest test (4 ranks under the launcher, test_tensor_parallel's tp2_dp2_zero3)

@@ -39,20 +39,22 @@ def test_heap_release_only_on_cpu_ranks(device, monkeypatch):
 @pytest.mark.parametrize("cuda", [False, True])
 def test_environment_on_cpu_and_gpu_ranks(cuda, monkeypatch):
     """A GPU rank takes its own GPU (LOCAL_RANK) before anything is made on "cuda" and leaves glibc's
-    heap and DeepSpeed's accelerator choice alone; a CPU rank fixes the heap's mmap threshold."""
+    heap and DeepSpeed's accelerator choice alone; a CPU rank fixes the heap's mmap threshold and tells
+    DeepSpeed's CPU accelerator its local rank count (LOCAL_SIZE: no numactl run at each device count)."""
     calls = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(("set_device", index)))
     monkeypatch.setattr(dist_utils, "fix_mmap_threshold", lambda: calls.append("mmap threshold"))
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "DS_ACCELERATOR"):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                 "DS_ACCELERATOR"):
         monkeypatch.setenv(name, "")  # recorded, so that what prepare_environment sets is undone after the test
         monkeypatch.delenv(name)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     dist_utils.prepare_environment()
     if cuda:
-        assert calls == [("set_device", 0)] and "DS_ACCELERATOR" not in os.environ
+        assert calls == [("set_device", 0)] and "DS_ACCELERATOR" not in os.environ and "LOCAL_SIZE" not in os.environ
     else:
-        assert calls == ["mmap threshold"] and os.environ["DS_ACCELERATOR"] == "cpu"
+        assert calls == ["mmap threshold"] and os.environ["DS_ACCELERATOR"] == "cpu" and os.environ["LOCAL_SIZE"] == "1"
 
 
 @pytest.mark.parametrize("backend, expected", [("gloo", "cpu"), ("nccl", "cuda:0")])

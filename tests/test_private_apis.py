@@ -10,6 +10,7 @@ import ast
 import importlib
 import inspect
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -165,6 +166,32 @@ def test_even_split_meta_splits_every_dimension_into_equal_parts():
     meta = tensor_parallel.even_split_tp_meta()
     assert list(get_shard_size_list(48, 2, meta, "decoder.layers.0.self_attn.q_proj")) == [24, 24]
     assert list(get_shard_size_list(272, 4, meta, "decoder.output_projection")) == [68] * 4
+
+
+def test_cpu_ranks_count_local_ranks_without_starting_numactl(monkeypatch):
+    """DeepSpeed's CPU accelerator runs `numactl --hardware` at each device_count() unless LOCAL_SIZE is
+    set (ZeRO-3 asks once a gradient bucket); our rendezvous' LOCAL_WORLD_SIZE sets it, a launcher's stays."""
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    started = []
+
+    def numactl(command, *args, **kwargs):
+        started.append(command)
+        return b"available: 1 nodes (0)\nnode 0 cpus: 0 1\n"
+
+    monkeypatch.setattr(subprocess, "check_output", numactl)
+    for name in ("LOCAL_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.setenv(name, "")  # recorded, so that the test's values are undone after it
+        monkeypatch.delenv(name)
+    assert CPU_Accelerator().device_count() == 1 and started == [["numactl", "--hardware"]]  # upstream, unset
+    comm.count_local_ranks_without_numactl()
+    assert "LOCAL_SIZE" not in os.environ  # nothing to count from
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    comm.count_local_ranks_without_numactl()
+    assert CPU_Accelerator().device_count() == 3 and len(started) == 1
+    monkeypatch.setenv("LOCAL_SIZE", "2")  # DeepSpeed's launcher set it: kept
+    comm.count_local_ranks_without_numactl()
+    assert os.environ["LOCAL_SIZE"] == "2"
 
 
 def test_deepspeed_shims_in_a_one_rank_process(tmp_path):

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from metaseq_ds.host_memory import fix_mmap_threshold
+from metaseq_ds.private_apis.deepspeed_comm import count_local_ranks_without_numactl
 
 
 def _free_port() -> int:
@@ -41,6 +42,7 @@ def prepare_environment(distributed_port: int = -1) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     else:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        count_local_ranks_without_numactl()
         fix_mmap_threshold()  # host_memory (CPU ranks): ZeRO's gathered tensors must not stay in glibc's heap
     if "OMP_NUM_THREADS" not in os.environ:
         # Ranks sharing a CPU must split its cores, or they slow each other down 2-7x.
