@@ -188,6 +188,24 @@ def test_zero12_optimizer_groups_hold_about_one_layer_in_order():
     assert optimizer_group_limit(build_deepspeed_config(zero3, 2, fp16_supported=False, overlaps_communication=False), zero3.model) == 0
 
 
+def test_one_zero3_data_parallel_rank_reduces_a_layer_of_gradients_a_bucket():
+    """Nothing to communicate on one data-parallel rank: ZeRO-3's buckets hold a layer (as the rank has
+    it) instead of d*d, ~12x fewer reductions; with several ranks, or at ZeRO-1/2, d*d."""
+    width = 2048
+
+    def bucket(world_size: int, *flags: str) -> int:
+        cfg = parse_train_config(DATA + ["--arch", "opt_1_3b", *flags])
+        ds = build_deepspeed_config(cfg, world_size, fp16_supported=True, overlaps_communication=True)
+        return ds["zero_optimization"]["reduce_bucket_size"]
+
+    assert bucket(1, "--zero-stage", "3") == 12 * width * width
+    assert bucket(2, "--zero-stage", "3", "--model-parallel-size", "2") == 12 * width * width // 2
+    assert bucket(2, "--zero-stage", "3") == width * width
+    assert bucket(4, "--zero-stage", "3", "--model-parallel-size", "2") == width * width
+    assert bucket(2, "--zero-stage", "1", "--model-parallel-size", "2") == width * width
+    assert bucket(1, "--zero-stage", "2") == width * width
+
+
 def test_zero3_prefetches_the_next_layer_where_communication_overlaps():
     from metaseq_ds.distributed.deepspeed_config import accelerator_traits
 

@@ -65,8 +65,9 @@ def build_deepspeed_config(cfg: MetaseqConfig, world_size: int, fp16_supported: 
                       "fp32's speed")
     tp_size = tensor_parallel_size(cfg)
     data_parallel_size = world_size // tp_size  # DeepSpeed's batch arithmetic counts data-parallel ranks
-    zero: Dict[str, Any] = {"stage": resolve_zero_stage(cfg, world_size),
-                            **_bucket_sizes(cfg.model, tp_size, prefetch_a_layer=overlaps_communication)}
+    stage = resolve_zero_stage(cfg, world_size)
+    zero: Dict[str, Any] = {"stage": stage, **_bucket_sizes(cfg.model, tp_size, prefetch_a_layer=overlaps_communication,
+                                                          one_zero3_rank=stage == 3 and data_parallel_size == 1)}
     if dist_cfg.cpu_offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
     derived: Dict[str, Any] = {
@@ -123,7 +124,7 @@ def accelerator_traits() -> Dict[str, bool]:
             "bf16_matmul": cpu_has_bf16_matmul() if on_cpu else True}
 
 
-def _bucket_sizes(model_cfg, tp_size: int, prefetch_a_layer: bool) -> Dict[str, int]:
+def _bucket_sizes(model_cfg, tp_size: int, prefetch_a_layer: bool, one_zero3_rank: bool) -> Dict[str, int]:
     """ZeRO's buffers and working sets sized by the model, so that a rank holds its share plus
     about one layer (12 d*d parameters for width d), whatever the model's size.
 
@@ -140,14 +141,23 @@ def _bucket_sizes(model_cfg, tp_size: int, prefetch_a_layer: bool) -> Dict[str, 
     layer while this one computes, as FSDP does, so the live limit is two layers. DeepSpeed
     prefetches only within the live limit: with one layer live, it never prefetched, and each
     layer's gather waited in full. A CPU rank keeps one layer: gloo's collectives share the
-    cores the step computes on, so there is nothing to overlap, and a layer more of memory."""
+    cores the step computes on, so there is nothing to overlap, and a layer more of memory.
+
+    `one_zero3_rank` (ZeRO-3, one data-parallel rank): the reduce-scatter has nothing to
+    communicate or overlap, but each bucket still costs DeepSpeed's host work (the bucket's
+    reduce, its partition into the flat gradient buffer, an event), and buckets of d*d are ~12 a
+    layer, ~290 a step at 24 layers. There a bucket holds a layer's gradients (as this rank has
+    them): about one a layer. Its buffer is a layer's gradients, 1/(4L) to 1/(9L) of the rank's
+    model states for L layers (fp32 / bf16 training: 1% or less at 24 layers). ZeRO-1/2 keep d*d:
+    their one-data-parallel-rank layouts (tensor parallelism alone) are measured against the
+    memory target with it."""
     if "decoder_embed_dim" not in model_cfg.__dataclass_fields__:
         return {}
     width = model_cfg.decoder_embed_dim
     layer = 12 * width * width
     gathered = layer // tp_size  # one layer, as this rank gathers it
     return {
-        "reduce_bucket_size": width * width,
+        "reduce_bucket_size": gathered if one_zero3_rank else width * width,
         "allgather_bucket_size": width * width,
         "stage3_prefetch_bucket_size": gathered if prefetch_a_layer else 0,
         "stage3_param_persistence_threshold": 10 * width,
