@@ -188,6 +188,30 @@ def test_zero12_optimizer_groups_hold_about_one_layer_in_order():
     assert optimizer_group_limit(build_deepspeed_config(zero3, 2, fp16_supported=False, overlaps_communication=False), zero3.model) == 0
 
 
+def test_deepspeeds_throughput_timer_and_its_device_syncs_are_off(monkeypatch):
+    """DeepSpeed's throughput timer synchronizes the device at each forward and step by default;
+    the derived config turns it off (our log times updates itself)."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.utils.config import get_timers_config
+    from deepspeed.utils.timer import ThroughputTimer
+
+    syncs = []
+    monkeypatch.setattr(type(get_accelerator()), "synchronize", lambda self, device_index=None: syncs.append(1))
+
+    def syncs_over_steps(config) -> int:
+        syncs.clear()
+        timer = ThroughputTimer(get_timers_config(config), batch_size=1)
+        for _ in range(4):  # as the engine calls it: start at each forward, stop at each step
+            timer.start()
+            timer.stop(global_step=True, report_speed=False)
+        return len(syncs)
+
+    cfg = parse_train_config(DATA + ["--arch", "transformer_lm_gpt2_tiny"])
+    ds = build_deepspeed_config(cfg, 1, fp16_supported=True, overlaps_communication=True)
+    assert syncs_over_steps({}) > 0  # DeepSpeed's default
+    assert syncs_over_steps(ds) == 0
+
+
 def test_one_zero3_data_parallel_rank_reduces_a_layer_of_gradients_a_bucket():
     """Nothing to communicate on one data-parallel rank: ZeRO-3's buckets hold a layer (as the rank has
     it) instead of d*d, ~12x fewer reductions; with several ranks, or at ZeRO-1/2, d*d."""

@@ -84,6 +84,10 @@ def build_deepspeed_config(cfg: MetaseqConfig, world_size: int, fp16_supported: 
         "zero_force_ds_cpu_optimizer": False,
         "steps_per_print": 2**31 - 1,  # we log ourselves, in metaseq's format
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer (on by default) synchronizes the device at every forward
+        # and step to time them, for a figure only its own progress print reports: on a GPU two
+        # stalls of the host's run-ahead a micro-batch. Our log times updates by the wall clock.
+        "timers": {"throughput": {"enabled": False}},
     }
     if tp_size > 1:
         # The model arrives sharded (`ds_autotp_parsed`); this makes the engine take DeepSpeed's
