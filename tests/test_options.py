@@ -228,6 +228,7 @@ def test_one_zero3_data_parallel_rank_reduces_a_layer_of_gradients_a_bucket():
     assert bucket(4, "--zero-stage", "3", "--model-parallel-size", "2") == width * width
     assert bucket(2, "--zero-stage", "1", "--model-parallel-size", "2") == width * width
     assert bucket(1, "--zero-stage", "2") == width * width
+    assert bucket(1, "--deepspeed-config", "zero3") == 12 * width * width  # the preset's stage decides
 
 
 def test_zero3_prefetches_the_next_layer_where_communication_overlaps():

@@ -65,7 +65,10 @@ def build_deepspeed_config(cfg: MetaseqConfig, world_size: int, fp16_supported: 
                       "fp32's speed")
     tp_size = tensor_parallel_size(cfg)
     data_parallel_size = world_size // tp_size  # DeepSpeed's batch arithmetic counts data-parallel ranks
+    preset = None if dist_cfg.deepspeed_config is None else load_preset(dist_cfg.deepspeed_config)
     stage = resolve_zero_stage(cfg, world_size)
+    preset_stage = (preset or {}).get("zero_optimization", {}).get("stage", "auto")
+    stage = stage if preset_stage == "auto" else preset_stage  # the buckets are sized for the stage that runs
     zero: Dict[str, Any] = {"stage": stage, **_bucket_sizes(cfg.model, tp_size, prefetch_a_layer=overlaps_communication,
                                                           one_zero3_rank=stage == 3 and data_parallel_size == 1)}
     if dist_cfg.cpu_offload:
@@ -93,9 +96,9 @@ def build_deepspeed_config(cfg: MetaseqConfig, world_size: int, fp16_supported: 
         # The model arrives sharded (`ds_autotp_parsed`); this makes the engine take DeepSpeed's
         # tensor/data-parallel groups as its mpu, so ZeRO reduces over the data-parallel group.
         derived["tensor_parallel"] = {"autotp_size": tp_size}
-    if dist_cfg.deepspeed_config is None:
+    if preset is None:
         return derived
-    merged = _overlay(derived, load_preset(dist_cfg.deepspeed_config))
+    merged = _overlay(derived, preset)
     for key, flag in (("train_micro_batch_size_per_gpu", "--batch-size"), ("gradient_accumulation_steps", "--update-freq")):
         if merged[key] != derived[key]:
             raise UsageError(
