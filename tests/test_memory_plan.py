@@ -78,6 +78,12 @@ def test_zero3_model_states_agree_with_deepspeeds_estimate():
     assert 0.85 < ours / deepspeed_zero3_estimate(plan) <= 1.0
 
 
+def test_a_presets_stage_is_the_planned_one():
+    """--deepspeed-config zero3 on one rank runs ZeRO-3 (the preset's stage wins): the plan says so."""
+    plan = plan_memory(parse_train_config(TINY + ["--deepspeed-config", "zero3"]), 1)
+    assert plan.zero_stage == 3
+
+
 def test_opt_175b_on_1024_ranks_is_planned_without_allocating_the_model():
     flags = ["--dry-run", "--arch", "opt_175b", "--distributed-world-size", "1024", "--model-parallel-size", "8",
              "--zero-stage", "3", "--bf16", "--batch-size", "1", "--tokens-per-sample", "2048", "--final-vocab-size", "50272"]

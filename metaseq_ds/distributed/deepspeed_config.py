@@ -9,7 +9,7 @@ import importlib.resources
 import json
 import warnings
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from metaseq_ds.dataclass import MetaseqConfig
 from metaseq_ds.distributed.tensor_parallel import tensor_parallel_size
@@ -41,7 +41,14 @@ def load_preset(name_or_path: str) -> Dict[str, Any]:
     return preset
 
 
-def resolve_zero_stage(cfg: MetaseqConfig, world_size: int) -> int:
+def resolve_zero_stage(cfg: MetaseqConfig, world_size: int, preset: Optional[Dict[str, Any]] = None) -> int:
+    """The ZeRO stage that runs: a --deepspeed-config preset's explicit one (`preset`, if already
+    loaded), else --zero-stage, else 3 for several ranks and 0 for one."""
+    if preset is None and cfg.distributed_training.deepspeed_config is not None:
+        preset = load_preset(cfg.distributed_training.deepspeed_config)
+    preset_stage = (preset or {}).get("zero_optimization", {}).get("stage", "auto")
+    if preset_stage != "auto":
+        return preset_stage
     stage = cfg.distributed_training.zero_stage
     return stage if stage is not None else (3 if world_size > 1 else 0)
 
@@ -66,9 +73,7 @@ def build_deepspeed_config(cfg: MetaseqConfig, world_size: int, fp16_supported: 
     tp_size = tensor_parallel_size(cfg)
     data_parallel_size = world_size // tp_size  # DeepSpeed's batch arithmetic counts data-parallel ranks
     preset = None if dist_cfg.deepspeed_config is None else load_preset(dist_cfg.deepspeed_config)
-    stage = resolve_zero_stage(cfg, world_size)
-    preset_stage = (preset or {}).get("zero_optimization", {}).get("stage", "auto")
-    stage = stage if preset_stage == "auto" else preset_stage  # the buckets are sized for the stage that runs
+    stage = resolve_zero_stage(cfg, world_size, preset)  # the buckets are sized for the stage that runs
     zero: Dict[str, Any] = {"stage": stage, **_bucket_sizes(cfg.model, tp_size, prefetch_a_layer=overlaps_communication,
                                                           one_zero3_rank=stage == 3 and data_parallel_size == 1)}
     if dist_cfg.cpu_offload:
