@@ -231,6 +231,29 @@ def test_one_zero3_data_parallel_rank_reduces_a_layer_of_gradients_a_bucket():
     assert bucket(1, "--deepspeed-config", "zero3") == 12 * width * width  # the preset's stage decides
 
 
+def test_one_zero3_data_parallel_rank_persists_every_parameter_unless_they_are_offloaded(tmp_path):
+    """One data-parallel rank: no module fetch waits on the device (tests/test_zero3_one_rank.py);
+    several ranks keep 10 d; parameter offload keeps the offloaded parameters off the device."""
+    from metaseq_ds.private_apis.deepspeed_optimizers import one_rank_persistence_threshold
+
+    def threshold(world_size: int, *flags: str) -> int:
+        cfg = parse_train_config(DATA + ["--arch", "opt_1_3b", *flags])
+        ds = build_deepspeed_config(cfg, world_size, fp16_supported=True, overlaps_communication=True)
+        return ds["zero_optimization"].get("stage3_param_persistence_threshold")
+
+    every = one_rank_persistence_threshold()
+    assert every >= 175e9  # any parameter of any model
+    assert threshold(1, "--zero-stage", "3") == every
+    assert threshold(1, "--deepspeed-config", "zero3") == every
+    assert threshold(2, "--zero-stage", "3", "--model-parallel-size", "2") == every  # TP alone: one data-parallel rank
+    assert threshold(1, "--zero-stage", "3", "--cpu-offload") == every  # the optimizer offloaded, not the parameters
+    assert threshold(2, "--zero-stage", "3") == 10 * 2048
+    assert threshold(1, "--deepspeed-config", "zero3_offload") == 10 * 2048
+    own = tmp_path / "own.json"
+    own.write_text('{"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 7}}')
+    assert threshold(1, "--deepspeed-config", str(own)) == 7  # a preset's own value wins, as every value of it
+
+
 def test_zero3_prefetches_the_next_layer_where_communication_overlaps():
     from metaseq_ds.distributed.deepspeed_config import accelerator_traits
 

@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Optional
 from metaseq_ds.dataclass import MetaseqConfig
 from metaseq_ds.distributed.tensor_parallel import tensor_parallel_size
 from metaseq_ds.errors import UsageError
+from metaseq_ds.private_apis.deepspeed_optimizers import one_rank_persistence_threshold
 from metaseq_ds.private_apis.torch_ops import cpu_has_bf16_matmul
 
 PRESETS = ("zero1", "zero2", "zero3", "zero3_offload")
@@ -74,8 +75,15 @@ def build_deepspeed_config(cfg: MetaseqConfig, world_size: int, fp16_supported: 
     data_parallel_size = world_size // tp_size  # DeepSpeed's batch arithmetic counts data-parallel ranks
     preset = None if dist_cfg.deepspeed_config is None else load_preset(dist_cfg.deepspeed_config)
     stage = resolve_zero_stage(cfg, world_size, preset)  # the buckets are sized for the stage that runs
+    one_zero3_rank = stage == 3 and data_parallel_size == 1
     zero: Dict[str, Any] = {"stage": stage, **_bucket_sizes(cfg.model, tp_size, prefetch_a_layer=overlaps_communication,
-                                                          one_zero3_rank=stage == 3 and data_parallel_size == 1)}
+                                                          one_zero3_rank=one_zero3_rank)}
+    if one_zero3_rank and not _offloads_parameters(preset):
+        # One data-parallel rank: a gathered parameter is a view of its partition, and each
+        # module's fetch of one synchronizes the device (the private_apis function says how).
+        # Persistent ones are fetched once a step, as the same views: no memory added. Not with
+        # parameter offload, where persistent parameters would stay on the device.
+        zero["stage3_param_persistence_threshold"] = one_rank_persistence_threshold()
     if dist_cfg.cpu_offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
     derived: Dict[str, Any] = {
@@ -206,6 +214,11 @@ def parameter_groups(params: List[Any], limit: int) -> List[Any]:
         groups[-1].append(param)
         size += param.numel()
     return [{"params": group} for group in groups]
+
+
+def _offloads_parameters(preset: Optional[Dict[str, Any]]) -> bool:
+    device = (preset or {}).get("zero_optimization", {}).get("offload_param", {}).get("device", "none")
+    return device not in ("none", None)
 
 
 def _overlay(derived: Dict[str, Any], preset: Dict[str, Any]) -> Dict[str, Any]:

@@ -1,8 +1,10 @@
 """DeepSpeed's ZeRO-1/2/3 optimizers, its fp16/bf16 optimizer wrapper and ZeRO-0's gradient
-all-reduce (deepspeed 0.19): the flat partitions they step, and the patches that keep their steps
+all-reduce (deepspeed 0.19): the flat partitions they step, the patches that keep their steps
 free of whole-gradient copies (`optim.zero_step`, `optim.fp32_master_weights`,
-`distributed.tied_embedding`)."""
+`distributed.tied_embedding`), and ZeRO-3's parameter persistence on one data-parallel rank
+(`distributed.deepspeed_config`)."""
 
+import sys
 from typing import Any, Dict, List, Tuple
 
 from metaseq_ds.private_apis.verified import relies_on
@@ -364,3 +366,20 @@ def skip_all_reduce_in_one_process(engine) -> bool:
         return False
     engine.enable_backward_allreduce = False
     return True
+
+
+@relies_on("deepspeed", "ZeRO-3's gather over a group of one rank (_no_gather_coalesced): a view of the partition, "
+                        "whose wait synchronizes the device's stream",
+           written_for="0.19", cuda=True, private=False,
+           why="with one data-parallel rank ZeRO-3 'gathers' a module's parameters as views of their partitions, and "
+               "each wait (NoGatherHandle, NoGatherCoalescedHandle) synchronizes the current CUDA stream: a host stall "
+               "at every module's fetch, forward and backward (292 a step at 24 layers), which ends the host's run-ahead "
+               "each time. Persistent parameters are fetched once after each step instead; on one rank they are "
+               "those same views, so no memory is added",
+           test="tests/test_zero3_one_rank.py::test_one_rank_zero3_persists_every_parameter_as_views_and_trains_the_same",
+           canaries=(("deepspeed.runtime.zero.partition_parameters", "get_accelerator().current_stream().synchronize()"),
+                     ("deepspeed.runtime.zero.partition_parameters", "return _no_gather_coalesced(params)")))
+def one_rank_persistence_threshold() -> int:
+    """`stage3_param_persistence_threshold` for ZeRO-3 on one data-parallel rank: every parameter
+    persists (DeepSpeed's own unbounded default of the model-wide limit, `sys.maxsize`)."""
+    return sys.maxsize
