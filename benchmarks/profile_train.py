@@ -8,6 +8,16 @@ after one warm-up step, `--steps` steps profiled. On CUDA (used whenever there i
 the top kernels by GPU time, then the step split into matmul kernels, attention kernels, other
 kernels and the GPU's idle time between kernels (the host gaps: launch overhead, syncs, Python);
 on the CPU the top ops by self CPU time and the same split of the ops' self time.
+
+    python -m benchmarks.profile_train --structure --layers 24 --dim 2048 --heads 32 --ffn 8192 --seq 2048 --batch 8
+
+`--structure`: what a GPU would run for one forward and backward, counted without one. Both sides
+(ours and HF's OPT) run on the meta device (nothing computed, any size; the code's non-CPU paths).
+Attention is taken as a flash kernel, as CUDA picks it; on meta, SDPA would otherwise fall back to
+its math path. For each side it counts the kernels (every aten op but views and allocations) and
+the bytes each op reads and writes. Those bytes are an upper bound for scatters and in-place ops,
+which are counted as reading and writing their whole input. The bytes outside matmul and attention
+are what bound the elementwise kernels' time on a GPU (at ~4 TB/s on an H200, 4 GB is 1 ms).
 """
 
 import argparse
@@ -19,14 +29,17 @@ from typing import Dict, List, Tuple
 import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
+from benchmarks.train import NAMES
 from benchmarks.train_worker import SIDES, add_run_arguments, batches, step_fn, train_flags
 
 # Kernel and op names by what they compute (cuBLAS/CUTLASS gemms, flash/memory-efficient
 # attention; on the CPU aten's product ops and oneDNN's linear).
-MATMUL = re.compile(r"gemm|cutlass|xmma|sm\d+_|wgmma|cublas|aten::(mm|addmm|bmm|matmul|linear|_addmm)\b|mkldnn|onednn",
+MATMUL = re.compile(r"gemm|cutlass|xmma|sm\d+_|wgmma|cublas|aten::(mm|addmm|bmm|matmul|linear|_addmm)_?\b|mkldnn|onednn",
                     re.IGNORECASE)
-ATTENTION = re.compile(r"flash|fmha|attention|sdpa|softmax_backward_data", re.IGNORECASE)
+ATTENTION = re.compile(r"flash|fmha|attention|sdpa|(?<!log)_softmax_backward_data", re.IGNORECASE)  # not the loss's
 
 
 def kind(name: str) -> str:
@@ -83,14 +96,103 @@ def cpu_summary(prof, wall_seconds: float, steps: int, top: int) -> None:
         print(f"  {name:9s} ops {kinds[name] / 1e3 / steps:9.1f} ms/step self time ({kinds[name] / 1e3 / steps / step_ms:.0%} of the wall)")
 
 
+class _OpBytes(TorchDispatchMode):
+    """Each aten op that runs a kernel: how many times, and the bytes of its tensor inputs and outputs."""
+
+    # Allocations and metadata: no kernel.
+    FREE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "detach",
+            "_unsafe_view", "_local_scalar_dense"}
+
+    def __init__(self):
+        super().__init__()
+        self.calls: Dict[str, int] = defaultdict(int)
+        self.bytes: Dict[str, int] = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if func.is_view or name in self.FREE:
+            return out
+        tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+        self.calls[name] += 1
+        self.bytes[name] += sum(t.numel() * t.element_size() for t in tensors)
+        return out
+
+
+def _flash_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """Structure only: CUDA's flash kernel (both sides' masks are causal at this benchmark's
+    unpadded batches) where the meta device would take SDPA's math path."""
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, True, False, scale=scale)[0]
+
+
+def step_structure(side: str, cfg, args) -> _OpBytes:
+    """One forward and backward of `side`'s model on the meta device, its ops counted."""
+    from benchmarks.train_worker import VOCAB, RandomTokensTask
+
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    tokens = torch.randint(4, VOCAB, (args.batch, args.seq + 1), device="meta")
+    counted = _OpBytes()
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    torch.nn.functional.scaled_dot_product_attention = _flash_attention
+    try:
+        if side == "ours":
+            from metaseq_ds import criterions
+            from metaseq_ds.distributed.parallelize import parallelize
+
+            task = RandomTokensTask(cfg.task)
+            criterion = criterions.build_criterion(cfg.criterion, task)
+            with torch.device("meta"):
+                model = task.build_model(cfg.model)
+            model = parallelize(model, cfg, criterion).to(dtype).train()
+            sample = {"net_input": {"src_tokens": tokens[:, :-1], "left_padded": False}, "target": tokens[:, 1:],
+                      "ntokens": tokens[:, 1:].numel(), "nsentences": args.batch}
+            with counted:
+                criterion(model, sample)[0].backward()
+        else:
+            from transformers import OPTForCausalLM
+
+            from metaseq_ds.models.hf_opt import to_hf_config
+
+            with torch.device("meta"):
+                model = OPTForCausalLM._from_config(to_hf_config(cfg.model, vocab_size=VOCAB), attn_implementation="sdpa")
+            model = model.to(dtype).train()
+            with counted:
+                model(input_ids=tokens[:, :-1], labels=tokens[:, :-1]).loss.backward()
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = sdpa
+    return counted
+
+
+def structure_summary(cfg, args) -> None:
+    print(f"one forward and backward on the meta device, {args.dtype}, {args.batch} x {args.seq} tokens, "
+          f"d {args.dim}, {args.layers} layers, FFN {args.ffn} (GB read + written; scatters and in-place ops "
+          f"counted whole)")
+    for side in ("ours", "hf"):
+        counted = step_structure(side, cfg, args)
+        by_kind = {name: kind(f"aten::{name}") for name in counted.calls}
+        other = {name: counted.bytes[name] for name, found in by_kind.items() if found == "other"}
+        print(f"{NAMES[side]}: {sum(counted.calls.values())} kernels, "
+              f"{sum(counted.calls[name] for name in other)} outside matmul/attention moving "
+              f"{sum(other.values()) / 1e9:.1f} GB; matmul/attention {sum(counted.bytes.values()) / 1e9 - sum(other.values()) / 1e9:.1f} GB")
+        for name, moved in sorted(other.items(), key=lambda item: -item[1])[:args.top]:
+            print(f"  {moved / 1e9:8.2f} GB  {counted.calls[name]:5d} x  {name}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--side", choices=SIDES, default="ours")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--structure", action="store_true", help="kernels and bytes moved of both sides on the "
+                                                                  "meta device (see above), instead of a profile")
     add_run_arguments(parser)
     args = parser.parse_args()
+    if args.structure:
+        from metaseq_ds.options import parse_train_config
+
+        structure_summary(parse_train_config(train_flags(args)), args)
+        return
 
     from metaseq_ds.distributed import utils as dist_utils
     from metaseq_ds.distributed.deepspeed_config import accelerator_traits, build_deepspeed_config
