@@ -11,7 +11,8 @@ on the CPU the top ops by self CPU time and the same split of the ops' self time
 
     python -m benchmarks.profile_train --structure --layers 24 --dim 2048 --heads 32 --ffn 8192 --seq 2048 --batch 8
 
-`--structure`: what a GPU would run for one forward and backward, counted without one. Both sides
+`--structure`: what a GPU would run for one forward and backward, counted without one, with the
+reads of the device it makes (each a host sync on a GPU). Both sides
 (ours and HF's OPT) run on the meta device (nothing computed, any size; the code's non-CPU paths).
 Attention is taken as a flash kernel, as CUDA picks it; on meta, SDPA would otherwise fall back to
 its math path. For each side it counts the kernels (every aten op but views and allocations) and
@@ -101,16 +102,22 @@ class _OpBytes(TorchDispatchMode):
 
     # Allocations and metadata: no kernel.
     FREE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "detach",
-            "_unsafe_view", "_local_scalar_dense"}
+            "_unsafe_view"}
 
     def __init__(self):
         super().__init__()
         self.calls: Dict[str, int] = defaultdict(int)
         self.bytes: Dict[str, int] = defaultdict(int)
+        self.reads = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
+        if name == "_local_scalar_dense" and args[0].is_meta:
+            # A read of the device (a host sync on a GPU), which meta cannot answer: counted, and
+            # answered as for these batches (no padding: HF's masks hold only ones).
+            self.reads += 1
+            return True if args[0].dtype == torch.bool else 1
+        out = func(*args, **(kwargs or {}))
         if func.is_view or name in self.FREE:
             return out
         tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
@@ -173,7 +180,8 @@ def structure_summary(cfg, args) -> None:
         other = {name: counted.bytes[name] for name, found in by_kind.items() if found == "other"}
         print(f"{NAMES[side]}: {sum(counted.calls.values())} kernels, "
               f"{sum(counted.calls[name] for name in other)} outside matmul/attention moving "
-              f"{sum(other.values()) / 1e9:.1f} GB; matmul/attention {sum(counted.bytes.values()) / 1e9 - sum(other.values()) / 1e9:.1f} GB")
+              f"{sum(other.values()) / 1e9:.1f} GB; matmul/attention {sum(counted.bytes.values()) / 1e9 - sum(other.values()) / 1e9:.1f} GB; "
+              f"device reads (host syncs on a GPU): {counted.reads}")
         for name, moved in sorted(other.items(), key=lambda item: -item[1])[:args.top]:
             print(f"  {moved / 1e9:8.2f} GB  {counted.calls[name]:5d} x  {name}")
 
