@@ -192,6 +192,12 @@ BENCHMARKS = [  # (name, module, arguments, most seconds)
     # Whether a vocabulary padded to a multiple of 128, or the weight gradient cut at 64 rows, would
     # speed the projection and loss (~20 s).
     ("vocab padding", "benchmarks.vocab_padding", ["--device", "cuda", "--dtype", "bf16"], 60),
+    # Where our step's time goes (issue 34's item 1): matmul, attention and other kernels, and the
+    # GPU's idle time between kernels (host gaps), ZeRO-0 and ZeRO-3 on one rank (~40 s each).
+    ("profile ZeRO-0", "benchmarks.profile_train", ["--dtype", "bf16", *OPT_1_3B, "--ffn", "8192", "--seq", "2048",
+                                                    "--batch", "8", "--steps", "2"], 90),
+    ("profile ZeRO-3", "benchmarks.profile_train", ["--dtype", "bf16", *OPT_1_3B, "--ffn", "8192", "--seq", "2048",
+                                                    "--batch", "8", "--steps", "2", "--zero-stage", "3"], 90),
     # Both sides compiled layer by layer, and HF eager: the ratio is against the faster HF side.
     ("train compiled layers", "benchmarks.train", ["--ranks", "1", "--dtypes", "bf16", *OPT_1_3B, "--ffn", "8192",
                                                    "--seq", "2048", "--batch", "8", "--steps", "4", "--warmup", "2",

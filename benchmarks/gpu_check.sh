@@ -6,7 +6,7 @@
 # Flows: the README's main job (`mseq train`, default flags), `mseq validate`, `mseq generate`,
 # `mseq serve` answering the openai client, `mseq export hf` loading in transformers with equal
 # logits, a resume, ZeRO-1/2/3 under the deepspeed launcher on all GPUs (TP=2 when there are 2);
-# then `benchmarks.train`, `benchmarks/generate.py`, `benchmarks/zero0_step.py` and `benchmarks/vocab_padding.py` at OPT-1.3b's shape in bf16 (MFU against the
+# then `benchmarks.train`, `benchmarks/generate.py`, `benchmarks/zero0_step.py`, `benchmarks/vocab_padding.py` and `benchmarks/profile_train.py` at OPT-1.3b's shape in bf16 (MFU against the
 # measured bf16 matmul peak). Details and timeouts: benchmarks/gpu_check.py. On a machine without
 # CUDA it checks its own syntax, says so and exits 0.
 set -uo pipefail

@@ -85,6 +85,9 @@ def gpu_summary(prof, wall_seconds: float, steps: int, top: int) -> None:
           f"{idle / 1e3 / steps:.1f} ms ({gaps / steps:.0f} gaps over 10 us)")
     for name in ("matmul", "attention", "other"):
         print(f"  {name:9s} kernels {kinds[name] / 1e3 / steps:9.1f} ms/step ({kinds[name] / 1e3 / steps / step_ms:.0%} of the wall)")
+    print(f"summary: {step_ms:.1f} ms a step: " + ", ".join(
+        f"{name} {kinds[name] / 1e3 / steps:.1f} ms ({kinds[name] / 1e3 / steps / step_ms:.0%})" for name in ("matmul", "attention", "other"))
+        + f", GPU idle between kernels {idle / 1e3 / steps:.1f} ms ({idle / 1e3 / steps / step_ms:.0%}, {gaps / steps:.0f} gaps over 10 us)")
 
 
 def cpu_summary(prof, wall_seconds: float, steps: int, top: int) -> None:
@@ -95,6 +98,8 @@ def cpu_summary(prof, wall_seconds: float, steps: int, top: int) -> None:
     print(f"per step: wall {step_ms:.1f} ms")
     for name in ("matmul", "attention", "other"):
         print(f"  {name:9s} ops {kinds[name] / 1e3 / steps:9.1f} ms/step self time ({kinds[name] / 1e3 / steps / step_ms:.0%} of the wall)")
+    print(f"summary: {step_ms:.1f} ms a step: " + ", ".join(
+        f"{name} ops {kinds[name] / 1e3 / steps:.1f} ms ({kinds[name] / 1e3 / steps / step_ms:.0%})" for name in ("matmul", "attention", "other")))
 
 
 class _OpBytes(TorchDispatchMode):
