@@ -303,8 +303,11 @@ class StreamedTiedEmbedding:
         rows, row_grads = self._embedded_rows(partition.device)
         loss_gradients = self._loss_gradients  # already summed over the group
         self._projected, self._embedded, self._loss_gradients = [], [], []
+        buffer = None  # one for every chunk (the first is the longest): a fresh one costs its page faults on the CPU
         for offset, length, ranges in self._chunks(partition.numel()):
-            slices = torch.zeros(self.group_size, length, device=partition.device)
+            if buffer is None:
+                buffer = torch.empty(self.group_size * length, device=partition.device)
+            slices = buffer[: self.group_size * length].view(self.group_size, length).zero_()
             for rank, start, end in ranges:
                 self._fill(slices[rank], start, end, projected, rows, row_grads)
             mine = slices[self.group_rank]
@@ -334,17 +337,22 @@ class StreamedTiedEmbedding:
         return (tokens[keep] - self.vocab_start).to(device), grads[keep].to(device)
 
     def _fill(self, out: torch.Tensor, start: int, end: int, projected, rows: torch.Tensor, row_grads: torch.Tensor) -> None:
-        """out[:end - start] = W's gradient at flat positions [start, end) (nothing when empty:
-        the padding past W's end stays zero)."""
+        """out[:end - start] = W's gradient at flat positions [start, end), `out` being zero
+        (nothing when empty: the padding past W's end stays zero)."""
         if start >= end:
             return
         first, last = self._rows_of(start, end)
-        block = torch.zeros(last - first, self.width, device=out.device)
+        # Whole rows (OPT's shapes): the rows' gradient is summed in `out` itself; else in a block
+        # of the rows, of which `out` gets its part.
+        whole_rows = start == first * self.width and end == last * self.width
+        block = (out[: end - start].view(last - first, self.width) if whole_rows
+                 else torch.zeros(last - first, self.width, device=out.device))
         for features, logits_grad in projected:  # summed in fp32, each product in the training dtype
             transposed_product_(block, logits_grad[:, first:last], features)
         inside = (rows >= first) & (rows < last)
         block.index_add_(0, rows[inside] - first, row_grads[inside])
-        out[: end - start] = block.view(-1)[start - first * self.width:end - first * self.width]
+        if not whole_rows:
+            out[: end - start] = block.view(-1)[start - first * self.width:end - first * self.width]
 
 
 class _StreamedProjection(torch.autograd.Function):
