@@ -105,9 +105,8 @@ def cpu_summary(prof, wall_seconds: float, steps: int, top: int) -> None:
 class _OpBytes(TorchDispatchMode):
     """Each aten op that runs a kernel: how many times, and the bytes of its tensor inputs and outputs."""
 
-    # Allocations and metadata: no kernel.
-    FREE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "detach",
-            "_unsafe_view"}
+    # Allocations, and the one view the schema does not mark as one: no kernel (views are skipped by `is_view`).
+    FREE = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "_unsafe_view"}
 
     def __init__(self):
         super().__init__()
