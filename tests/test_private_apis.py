@@ -86,7 +86,7 @@ def test_an_untested_version_stops_with_one_line_unless_allowed(monkeypatch):
 def test_on_an_untested_version_a_speed_up_runs_its_public_fallback_warned_once(monkeypatch):
     """oneDNN's linear and bf16 query have public equivalents: another torch (the GPU machine's is
     2.11) trains on them instead of stopping; ALLOW_UNTESTED still tries the private API. Another
-    DeepSpeed keeps its own ZeRO-0 fp16/bf16 step and all-reduce."""
+    DeepSpeed keeps its own ZeRO-0 fp16/bf16 step and all-reduce, and its references at exit."""
     real_version = metadata.version
     faked = {"torch": "2.11.0", "deepspeed": "0.20.0"}
     monkeypatch.setattr(verified.metadata, "version", lambda name: faked.get(name) or real_version(name))
@@ -98,7 +98,9 @@ def test_on_an_untested_version_a_speed_up_runs_its_public_fallback_warned_once(
                          "unfused_step_with_one_read": "DeepSpeed's own ZeRO-0 fp16/bf16 step, left in place (a read "
                                                        "of the device per parameter)",
                          "skip_all_reduce_in_one_process": "DeepSpeed's all-reduce of the gradients after each backward, "
-                                                           "left in place (a copy of them all)"}
+                                                           "left in place (a copy of them all)",
+                         "drop_deepspeeds_references": "DeepSpeed's process-wide references, left in place (its "
+                                                       "groups then go as the interpreter finalises)."}
     x, weight = torch.randn(40, 24), torch.randn(16, 24)
     verified.use_private.cache_clear()
     try:
@@ -114,6 +116,8 @@ def test_on_an_untested_version_a_speed_up_runs_its_public_fallback_warned_once(
             assert optimizers.unfused_step_with_one_read(object()) is False  # the optimizer left as it is
         with pytest.warns(UserWarning, match=r"this is deepspeed 0\.20\.0: using DeepSpeed's all-reduce"):
             assert optimizers.skip_all_reduce_in_one_process(object()) is False  # the engine left as it is
+        with pytest.warns(UserWarning, match=r"this is deepspeed 0\.20\.0: using DeepSpeed's process-wide references"):
+            assert comm.drop_deepspeeds_references() is None  # nothing dropped
         verified.use_private.cache_clear()
         monkeypatch.setenv(verified.ALLOW_UNTESTED, "1")
         with pytest.warns(UserWarning, match="trying anyway"):

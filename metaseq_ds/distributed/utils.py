@@ -12,6 +12,7 @@ reduces ZeRO's gradients over the data-parallel group only.
 """
 
 import atexit
+import gc
 import os
 import socket
 import sys
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from metaseq_ds.host_memory import fix_mmap_threshold
-from metaseq_ds.private_apis.deepspeed_comm import count_local_ranks_without_numactl
+from metaseq_ds.private_apis.deepspeed_comm import count_local_ranks_without_numactl, drop_deepspeeds_references
 
 
 def _free_port() -> int:
@@ -54,6 +55,10 @@ def init_distributed(distributed_port: int = -1, tensor_parallel_size: int = 1) 
     prepare_environment(distributed_port)
     if not dist.is_initialized():
         import deepspeed
+        # Its functions take `group=group.WORLD` as a default, evaluated at import: imported after
+        # the group starts (by torch.distributed.fsdp, inside deepspeed.initialize), they would
+        # hold the default group past its destruction, until the interpreter finalises.
+        import torch.distributed.nn.functional  # noqa: F401
 
         deepspeed.init_distributed()
         atexit.register(destroy_process_groups_at_a_clean_exit)
@@ -72,15 +77,30 @@ def init_distributed(distributed_port: int = -1, tensor_parallel_size: int = 1) 
 
 
 def destroy_process_groups_at_a_clean_exit() -> None:
-    """At exit, destroy the process groups this process started, unless it is exiting on an
-    uncaught exception. Left to the interpreter's finalisation, gloo's worker threads can still
-    hold work whose tensors reference Python objects, and destroying them then aborts the process
-    ("terminate called without an active exception", exit -6, after a run that succeeded;
-    pytorch/pytorch#190489). PyTorch asks callers to destroy their groups; after an uncaught
-    exception (`sys.last_value` set) they are left alone, as torchtitan does, since a rank that
-    failed mid-collective could block in the teardown."""
+    """At exit, free the process groups this process started, unless it is exiting on an uncaught
+    exception. A group left to the interpreter's finalisation can abort a run that succeeded: a
+    gloo worker thread finishing its last work then needs the GIL, and the process ends with
+    "terminate called without an active exception" (exit -6; pytorch/pytorch#179291 describes it). Destroying
+    a group stops its threads only once its last reference goes, so first every DeepSpeed engine
+    still alive is destroyed (its hooks hold it through autograd's C++ side, out of the garbage
+    collector's reach) and DeepSpeed's process-wide references dropped, then the groups
+    destroyed and the cycles that held them collected. PyTorch asks callers to destroy their
+    groups; after an uncaught exception (`sys.last_value` set) they are left alone, as torchtitan
+    does, since a rank that failed mid-collective could block in the teardown."""
     if dist.is_initialized() and getattr(sys, "last_value", None) is None:
+        destroy_deepspeed_engines()
+        drop_deepspeeds_references()
         dist.destroy_process_group()
+        gc.collect()
+
+
+def destroy_deepspeed_engines() -> None:
+    """`destroy()` every DeepSpeed engine still alive: it removes their hooks, which keep them
+    alive through autograd's C++ side, so the garbage collector can free them."""
+    from deepspeed import DeepSpeedEngine
+
+    for engine in [obj for obj in gc.get_objects() if issubclass(type(obj), DeepSpeedEngine)]:
+        engine.destroy()
 
 
 def release_shm_buffer() -> None:

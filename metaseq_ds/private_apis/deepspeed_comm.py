@@ -58,3 +58,43 @@ def route_deepspeed_collectives(all_gather_into_tensor: Callable[..., Any], redu
         deepspeed.init_distributed()
     comm.cdb.all_gather_function = all_gather_into_tensor
     comm.cdb.reduce_scatter_function = reduce_scatter_tensor
+
+
+def _keep_deepspeeds_references() -> None:
+    """DeepSpeed's process-wide references, left in place (its groups then go as the interpreter finalises)."""
+
+
+@relies_on("deepspeed", "the process-wide references to groups and modules: deepspeed.utils.groups' module-level "
+           "groups and mesh, ZeRO-3's parameter_offload.FWD_MODULE_STACK and the lru_cache of "
+           "PartitionedParameterCoordinator.__params_to_release",
+           written_for="0.19", cuda=True, fallback=_keep_deepspeeds_references,
+           why="a process group's threads stop only when its last reference goes; these references last as long as "
+               "the process (ZeRO-3's module stack keeps the root module and its cache every coordinator and "
+               "submodule, never cleared; the groups module caches groups), so the groups, and each ZeRO-3 "
+               "engine, went during finalisation, where a gloo worker finishing its last work needs the GIL and "
+               "aborts the process (exit -6 after a run that succeeded). Can go when DeepSpeed's engine.destroy() "
+               "releases them",
+           test="tests/test_process_group_exit.py::test_every_process_group_is_freed_before_the_interpreter_finalises",
+           canaries=(("deepspeed.runtime.zero.parameter_offload", "FWD_MODULE_STACK.append(self.module)"),
+                     ("deepspeed.runtime.zero.partitioned_param_coordinator", "@functools.lru_cache(maxsize=None)"),
+                     ("deepspeed.utils.groups", "_WORLD_GROUP = dist.new_group(ranks=range(dist.get_world_size()))")))
+def drop_deepspeeds_references() -> None:
+    """Drop what DeepSpeed keeps for the life of the process that holds process groups: the groups
+    (and device mesh) that `deepspeed.utils.groups` caches, and ZeRO-3's stack of modules in
+    forward and cache of parameters to release, which hold modules whose parameters hold their
+    groups. For a process that is done with distributed work: at its clean exit."""
+    import torch.distributed as dist
+    from deepspeed.runtime.zero import parameter_offload, partitioned_param_coordinator
+    from deepspeed.utils import groups
+
+    for name, value in list(vars(groups).items()):
+        if isinstance(value, dist.ProcessGroup) or name == "mesh_device":
+            setattr(groups, name, None)
+        elif isinstance(value, dict) and any(isinstance(group, dist.ProcessGroup) for group in value.values()):
+            value.clear()
+    parameter_offload.FWD_MODULE_STACK.clear()
+    # instrument_w_nvtx wraps the cached method in a closure without functools.wraps
+    instrumented = vars(partitioned_param_coordinator.PartitionedParameterCoordinator)[
+        "_PartitionedParameterCoordinator__params_to_release"]
+    cached = dict(zip(instrumented.__code__.co_freevars, (cell.cell_contents for cell in instrumented.__closure__)))["func"]
+    cached.cache_clear()
