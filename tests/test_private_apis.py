@@ -301,12 +301,16 @@ def _check_stage(stage: int, folder: str) -> dict:
 
 
 if __name__ == "__main__":
+    import atexit
+
     import deepspeed
+    import torch.distributed.nn.functional  # noqa: F401
 
     from metaseq_ds.distributed import utils as dist_utils
 
     dist_utils.prepare_environment()
     deepspeed.init_distributed()  # dist_utils.init_distributed's steps, with a look at /dev/shm in between
+    atexit.register(dist_utils.destroy_process_groups_at_a_clean_exit)
     buffer = comm.shm_allreduce_buffer(0)
     found = {"shm": {"created_as_named": buffer.is_file()}}
     dist_utils.release_shm_buffer()
