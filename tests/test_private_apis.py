@@ -117,7 +117,14 @@ def test_on_an_untested_version_a_speed_up_runs_its_public_fallback_warned_once(
         with pytest.warns(UserWarning, match=r"this is deepspeed 0\.20\.0: using DeepSpeed's all-reduce"):
             assert optimizers.skip_all_reduce_in_one_process(object()) is False  # the engine left as it is
         with pytest.warns(UserWarning, match=r"this is deepspeed 0\.20\.0: using DeepSpeed's process-wide references"):
-            assert comm.drop_deepspeeds_references() is None  # nothing dropped
+            from deepspeed.runtime.zero import parameter_offload
+
+            parameter_offload.FWD_MODULE_STACK.append(kept := torch.nn.Linear(1, 1))
+            try:
+                assert comm.drop_deepspeeds_references() is None
+                assert parameter_offload.FWD_MODULE_STACK[-1] is kept  # nothing dropped
+            finally:
+                parameter_offload.FWD_MODULE_STACK.remove(kept)
         verified.use_private.cache_clear()
         monkeypatch.setenv(verified.ALLOW_UNTESTED, "1")
         with pytest.warns(UserWarning, match="trying anyway"):
@@ -301,16 +308,10 @@ def _check_stage(stage: int, folder: str) -> dict:
 
 
 if __name__ == "__main__":
-    import atexit
-
-    import deepspeed
-    import torch.distributed.nn.functional  # noqa: F401
-
     from metaseq_ds.distributed import utils as dist_utils
 
     dist_utils.prepare_environment()
-    deepspeed.init_distributed()  # dist_utils.init_distributed's steps, with a look at /dev/shm in between
-    atexit.register(dist_utils.destroy_process_groups_at_a_clean_exit)
+    dist_utils.start_process_group()  # dist_utils.init_distributed's steps, with a look at /dev/shm in between
     buffer = comm.shm_allreduce_buffer(0)
     found = {"shm": {"created_as_named": buffer.is_file()}}
     dist_utils.release_shm_buffer()

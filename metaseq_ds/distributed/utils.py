@@ -55,13 +55,8 @@ def init_distributed(distributed_port: int = -1, tensor_parallel_size: int = 1) 
     prepare_environment(distributed_port)
     if not dist.is_initialized():
         import deepspeed
-        # Its functions take `group=group.WORLD` as a default, evaluated at import: imported after
-        # the group starts (by torch.distributed.fsdp, inside deepspeed.initialize), they would
-        # hold the default group past its destruction, until the interpreter finalises.
-        import torch.distributed.nn.functional  # noqa: F401
 
-        deepspeed.init_distributed()
-        atexit.register(destroy_process_groups_at_a_clean_exit)
+        start_process_group()
         if deepspeed.get_accelerator().device_name() == "cpu":
             release_shm_buffer()  # the buffer of DeepSpeed's CPU accelerator only
     if dist.get_backend() == "gloo":
@@ -76,15 +71,27 @@ def init_distributed(distributed_port: int = -1, tensor_parallel_size: int = 1) 
         init_tensor_parallel_groups(tensor_parallel_size)
 
 
+def start_process_group() -> None:
+    """DeepSpeed's process group (the environment prepared), freed at a clean exit."""
+    import deepspeed
+    # Its functions take `group=group.WORLD` as a default, evaluated at import: imported after
+    # the group starts (by torch.distributed.fsdp, inside deepspeed.initialize), they would hold
+    # the default group past its destruction, until the interpreter finalises.
+    import torch.distributed.nn.functional  # noqa: F401
+
+    deepspeed.init_distributed()
+    atexit.register(destroy_process_groups_at_a_clean_exit)
+
+
 def destroy_process_groups_at_a_clean_exit() -> None:
     """At exit, free the process groups this process started, unless it is exiting on an uncaught
     exception. A group left to the interpreter's finalisation can abort a run that succeeded: a
     gloo worker thread finishing its last work then needs the GIL, and the process ends with
-    "terminate called without an active exception" (exit -6; pytorch/pytorch#179291 describes it). Destroying
-    a group stops its threads only once its last reference goes, so first every DeepSpeed engine
-    still alive is destroyed (its hooks hold it through autograd's C++ side, out of the garbage
-    collector's reach) and DeepSpeed's process-wide references dropped, then the groups
-    destroyed and the cycles that held them collected. PyTorch asks callers to destroy their
+    "terminate called without an active exception" (exit -6; pytorch/pytorch#179291 describes
+    it). Destroying a group stops its threads only once its last reference goes, so first every
+    DeepSpeed engine still alive is destroyed (its hooks hold it through autograd's C++ side, out
+    of the garbage collector's reach) and DeepSpeed's process-wide references dropped, then the
+    groups destroyed and the cycles that held them collected. PyTorch asks callers to destroy their
     groups; after an uncaught exception (`sys.last_value` set) they are left alone, as torchtitan
     does, since a rank that failed mid-collective could block in the teardown."""
     if dist.is_initialized() and getattr(sys, "last_value", None) is None:
