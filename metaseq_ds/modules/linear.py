@@ -4,12 +4,14 @@
 PyTorch's fp32 CPU matmul calls MKL, whose kernel dispatch favours Intel processors: on this
 project's AMD EPYC it sustains ~170 GFLOP/s where oneDNN (also inside PyTorch, and what
 PyTorch already uses for bf16) reaches ~300-400 at the decoder's shapes. So for fp32 on the
-CPU the forward and both backward products go through oneDNN's linear op
-(`private_apis.torch_ops.onednn_linear`) when there are many rows (training, prompts) or the weight is large (a decoding step through
-the vocabulary projection or a wide FFN, where oneDNN streams the weight from memory ~1.5-3x
-faster than MKL's matrix-vector product); everything else (bf16, CUDA, a few rows through a
-small weight) keeps `F.linear`. Same parameters, names and state dict as `nn.Linear`, and an
-`nn.Linear` for isinstance checks, so tensor-parallel plans and checkpoints see no difference.
+CPU the forward and the input's gradient go through oneDNN's linear op
+(`private_apis.torch_ops.onednn_linear`) when there are many rows (training, prompts) or the
+weight is large (a decoding step through the vocabulary projection or a wide FFN, where oneDNN
+streams the weight from memory ~1.5-3x faster than MKL's matrix-vector product); the weight's
+gradient, a product of two transposed operands, stays on MKL, which reads them without copies.
+Everything else (bf16, CUDA, a few rows through a small weight) keeps `F.linear`. Same
+parameters, names and state dict as `nn.Linear`, and an `nn.Linear` for isinstance checks, so
+tensor-parallel plans and checkpoints see no difference.
 Results equal F.linear's up to fp32 summation order (~1e-6 relative).
 """
 
@@ -43,14 +45,10 @@ class _OneDNNLinear(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_x = _onednn_product(grad, weight.t())  # (N, out) @ (out, in)
         if ctx.needs_input_grad[1]:
-            if weight.size(0) >= x.size(0):
-                # Wide outputs (the vocabulary projection): one product straight into the
-                # (out, in) gradient. oneDNN would reorder the large grad.t() first, and
-                # computing (x^T grad)^T then copying it holds two vocabulary-sized gradients
-                # at once (measured: no faster at 64-2048 rows on this CPU).
-                grad_weight = torch.mm(grad.t(), x)
-            else:
-                grad_weight = _onednn_product(grad.t(), x.t())  # (out, N) @ (N, in)
+            # torch.mm (MKL) reads both transposed operands as they are; oneDNN's op would first
+            # copy grad.t() into a fresh buffer (page faults and all). Measured in turns, the fp32
+            # step is 1-5% faster so on one process, unchanged on 2 ranks (benchmarks/RESULTS.md).
+            grad_weight = torch.mm(grad.t(), x)  # (out, N) @ (N, in)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad.sum(0)
         return grad_x, grad_weight, grad_bias
