@@ -36,9 +36,9 @@ from torch.utils._pytree import tree_flatten
 from benchmarks.train import NAMES
 from benchmarks.train_worker import SIDES, add_run_arguments, batches, step_fn, train_flags
 
-# Kernel and op names by what they compute (cuBLAS/CUTLASS gemms, flash/memory-efficient
-# attention; on the CPU aten's product ops and oneDNN's linear).
-MATMUL = re.compile(r"gemm|cutlass|xmma|sm\d+_|wgmma|cublas|aten::(mm|addmm|bmm|matmul|linear|_addmm)_?\b|mkldnn|onednn",
+# Kernel and op names by what they compute (cuBLAS/CUTLASS gemms, cuBLAS's Hopper `nvjet_*`
+# gemms among them, flash/memory-efficient attention; on the CPU aten's product ops and oneDNN's linear).
+MATMUL = re.compile(r"gemm|cutlass|xmma|sm\d+_|wgmma|cublas|nvjet|aten::(mm|addmm|bmm|matmul|linear|_addmm)_?\b|mkldnn|onednn",
                     re.IGNORECASE)
 ATTENTION = re.compile(r"flash|fmha|attention|sdpa|(?<!log)_softmax_backward_data", re.IGNORECASE)  # not the loss's
 
