@@ -1,5 +1,6 @@
-"""`Linear`: an `nn.Linear` whose fp32 products on the CPU run on oneDNN instead of MKL, and
-`lay_out_for_decoding`, which stores a model's Linear weights the way decoding reads fastest.
+"""`Linear`: an `nn.Linear` whose fp32 products on the CPU, all but the weight's gradient, run on
+oneDNN instead of MKL, and `lay_out_for_decoding`, which stores a model's Linear weights the way
+decoding reads fastest.
 
 PyTorch's fp32 CPU matmul calls MKL, whose kernel dispatch favours Intel processors: on this
 project's AMD EPYC it sustains ~170 GFLOP/s where oneDNN (also inside PyTorch, and what
@@ -47,7 +48,7 @@ class _OneDNNLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             # torch.mm (MKL) reads both transposed operands as they are; oneDNN's op would first
             # copy grad.t() into a fresh buffer (page faults and all). Measured in turns, the fp32
-            # step is 1-5% faster so on one process, unchanged on 2 ranks (benchmarks/RESULTS.md).
+            # step is 1-5% faster with MKL here on one process, the same on 2 ranks (benchmarks/RESULTS.md).
             grad_weight = torch.mm(grad.t(), x)  # (out, N) @ (N, in)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = grad.sum(0)
